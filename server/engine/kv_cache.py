@@ -1,0 +1,54 @@
+"""Preallocated KV-cache pool: one slot per running sequence, all layers in one tensor.
+
+Layout ``[L, num_slots, H_kv, S, D]``: a (layer, slot) view is a contiguous ``[H_kv, S, D]`` block, which is what
+attention reads, and one kernel launch can compact a slot's accepted rows across every layer. Beside K/V the pool
+keeps the target's last-layer hidden state of every cached token (``[num_slots, S, hidden]``) for feature-level
+drafters.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every KV slot is taken; the caller should queue the request or retry later."""
+
+
+class KVCachePool:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, S, D]
+        self.hidden = torch.zeros(num_slots, max_seq_len, hidden_size, dtype=dtype, device=device)  # [slots, S, hid]
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._lengths = [0] * num_slots  # cached tokens per slot, for usage reporting
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise NoFreeSlotError(f"all {self.num_slots} KV-cache slots are in use")
+        slot = self._free.pop()
+        self._lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._lengths[slot] = 0
+        self._free.append(slot)
+
+    def set_length(self, slot: int, n: int) -> None:
+        self._lengths[slot] = n
+
+    @property
+    def slots_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of the pool's token capacity holding cached tokens (0..1)."""
+        return sum(self._lengths) / (self.num_slots * self.max_seq_len)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.hidden.nbytes
