@@ -83,8 +83,9 @@ class Sequence:
 class Target:
     """The frozen target model plus the read-only pieces drafters may share (implements drafters.base.TargetView)."""
 
-    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None):
         self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
+        self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
         self.args: LlamaArgs = model.args
 
     @torch.inference_mode()
@@ -126,8 +127,8 @@ class SeqView:
         return self._pool.hidden[self._seq.slot, :self._seq.cache_len]
 
 
-def load_target(cfg: EngineConfig, progress: bool = True) -> tuple[Target, "object"]:
-    """Build the target model from the config; returns (target, resolved model info)."""
+def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
+    """Build the target model from the config (converting a GGUF source once into the cache)."""
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
     device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
@@ -135,15 +136,13 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> tuple[Target, "obje
         model = Llama(args, cfg.cache.max_seq_len)
     model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return Target(model, resolved.model_id, device, dtype), resolved
+    return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, drafter: Drafter | None = None, target: Target | None = None):
         self.cfg = cfg
-        if target is None:
-            target, self.resolved = load_target(cfg)
-        self.target = target
+        self.target = target = target or load_target(cfg)
         self.model = target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype

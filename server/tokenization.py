@@ -1,0 +1,32 @@
+"""Prompt encoding shared by the CLI, the benchmarks and the API process (the worker only sees token ids)."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A raw completion prompt, with whatever special tokens the tokenizer adds by default."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def encode_chat(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """Apply the model's chat template (with the assistant turn opened) and tokenize."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The model's end-of-sequence ids plus the tokenizer's eos (chat models end turns with it)."""
+    ids = set(eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def encode_record(tokenizer, record: dict[str, Any]) -> list[int]:
+    """A prompts-file line: {"messages": [...]} (chat template applied) or {"prompt": "..."}."""
+    if "messages" in record:
+        return encode_chat(tokenizer, record["messages"])
+    if "prompt" in record:
+        return encode_text(tokenizer, record["prompt"])
+    raise ValueError("each prompt record needs `messages` or `prompt`")

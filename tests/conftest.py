@@ -1,0 +1,64 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random Llama models."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def fp32_config():
+    from server.config import config_from_dict
+
+    return config_from_dict({"model": {"dtype": "float32", "device": "cpu"},
+                             "cache": {"num_slots": 2, "max_seq_len": 512}})
+
+
+@pytest.fixture(scope="session")
+def target32(fp32_config):
+    """The embedded SmolLM2-135M-Instruct in float32 (converted from GGUF on first use, then cached)."""
+    from server.engine.engine import load_target
+
+    return load_target(fp32_config, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target32):
+    from server.engine.weights import load_tokenizer
+
+    return load_tokenizer(target32.hf_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model32(target32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(target32.hf_dir), dtype=torch.float32).eval()
+
+
+def write_tiny_llama(path, vocab_size=16, hidden=32, layers=2, heads=4, kv_heads=2, rope_scaling=None, seed=0,
+                     tie=True):
+    """A random Llama saved by transformers itself (config.json + model.safetensors) into ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=256, rope_theta=500.0, rope_scaling=rope_scaling,
+                      tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger logits than the default init, so distributions are far from uniform
+        model.lm_head.weight.mul_(40.0) if not tie else model.model.embed_tokens.weight.mul_(8.0)
+    model.save_pretrained(str(path))
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    write_tiny_llama(d)
+    return d
