@@ -1,0 +1,125 @@
+"""Engine admission, slots, limits and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.base import DraftTree
+from server.config import config_from_dict
+from server.engine.acceptance import SamplingParams
+from server.engine.engine import Engine, NoFreeSlotError, RequestError
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_dir):
+    cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 2, "max_seq_len": 32}})
+    return Engine(cfg)
+
+
+def test_bad_prompts_raise_clear_errors(tiny_engine):
+    with pytest.raises(RequestError, match="empty"):
+        tiny_engine.add([])
+    with pytest.raises(RequestError, match="context"):
+        tiny_engine.add(list(range(2, 14)) * 3)  # 36 tokens > 32
+    with pytest.raises(RequestError, match="token ids"):
+        tiny_engine.add([1, 99])
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        tiny_engine.add([2, 3], max_new_tokens=0)
+    assert tiny_engine.pool.slots_used == 0  # failed admissions take no slot
+
+
+def test_no_free_slot_then_release(tiny_engine):
+    a, b = tiny_engine.add([2, 3]), tiny_engine.add([4, 5])
+    with pytest.raises(NoFreeSlotError):
+        tiny_engine.add([6])
+    assert tiny_engine.pool.slots_used == 2
+    tiny_engine.release(a)
+    c = tiny_engine.add([6])
+    assert c.slot == a.slot
+    for s in (b, c):
+        tiny_engine.release(s)
+    assert tiny_engine.pool.slots_used == 0 and tiny_engine.pool.usage() == 0.0
+
+
+def test_limits_and_stop_tokens(tiny_engine):
+    out = tiny_engine.generate([2, 3, 4], max_new_tokens=5)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.stats.verify_steps == 4 and out.stats.mean_accepted_length == 1.0
+    stop = out.token_ids[-1]
+    cut = out.token_ids.index(stop) + 1  # generation ends at the first occurrence, stop token included
+    stopped = tiny_engine.generate([2, 3, 4], max_new_tokens=5, stop_token_ids=[stop])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[:cut]
+    # the context ends the sequence: 30 prompt tokens + 2 generated fill the 32-token slot
+    full = tiny_engine.generate([2] * 30, max_new_tokens=100)
+    assert full.finish_reason == "length" and len(full.token_ids) == 2
+
+
+def test_kv_usage_reported(tiny_engine):
+    seq = tiny_engine.add([2, 3, 4, 5])
+    tiny_engine.prefill(seq)
+    assert tiny_engine.pool.usage() == pytest.approx(4 / (2 * 32))
+    tiny_engine.step(seq)
+    assert tiny_engine.pool.usage() == pytest.approx(5 / (2 * 32))
+    tiny_engine.release(seq)
+    assert tiny_engine.pool.usage() == 0.0
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    sp = SamplingParams(temperature=1.0, seed=1234)
+    a = tiny_engine.generate([2, 3, 4], sp, max_new_tokens=12).token_ids
+    b = tiny_engine.generate([2, 3, 4], sp, max_new_tokens=12).token_ids
+    c = tiny_engine.generate([2, 3, 4], SamplingParams(temperature=1.0, seed=99), max_new_tokens=12).token_ids
+    assert a == b and a != c
+
+
+class _BadDrafter:
+    name = "bad"
+
+    def __init__(self, tree_fn):
+        self.tree_fn = tree_fn
+
+    def prefill(self, seq): pass
+    def propose(self, seq): return self.tree_fn(seq)
+    def observe(self, seq, result): pass
+    def release(self, seq_id): pass
+
+
+@pytest.mark.parametrize("tree_fn,match", [
+    (lambda s: DraftTree([s.tokens[-1], 3], [-1, 1]), "topological"),
+    (lambda s: DraftTree([s.tokens[-1], 300], [-1, 0]), "out of range"),
+    (lambda s: DraftTree.chain(s.tokens[-1], [2] * 70), "at most 64"),
+    (lambda s: DraftTree.chain((s.tokens[-1] + 1) % 16, [2]), "rooted"),
+])
+def test_malformed_trees_are_rejected(tiny_engine, tree_fn, match):
+    engine = Engine(tiny_engine.cfg, _BadDrafter(tree_fn), tiny_engine.target)
+    seq = engine.add([2, 3, 4])
+    engine.prefill(seq)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        engine.step(seq)
+    engine.release(seq)
+
+
+def test_target_view_exposes_verified_kv_and_hidden(tiny_engine):
+    seen = {}
+
+    class Peek(_BadDrafter):
+        def observe(self, seq, result):
+            k, v = seq.target_kv(1)
+            seen.update(k=k.clone(), hidden=seq.target_hidden().clone(), cache_len=seq.cache_len,
+                        tokens=list(seq.tokens))
+
+    engine = Engine(tiny_engine.cfg, Peek(lambda s: DraftTree.root_only(s.tokens[-1])), tiny_engine.target)
+    seq = engine.add([2, 3, 4, 5])
+    engine.prefill(seq)
+    engine.step(seq)
+    engine.release(seq)
+    assert seen["cache_len"] == 5 == len(seen["tokens"]) - 1
+    a = engine.model.args
+    assert seen["k"].shape == (a.num_kv_heads, 5, a.head_dim)
+    assert seen["hidden"].shape == (5, a.hidden_size)
+    # the cached K of the first 5 tokens equals a fresh causal forward's K (post-RoPE)
+    seq2 = engine.add(seen["tokens"][:5])
+    engine._forward(seq2, seen["tokens"][:5], torch.arange(5), None)
+    torch.testing.assert_close(engine.pool.k[1, seq2.slot, :, :5], seen["k"])
+    engine.release(seq2)

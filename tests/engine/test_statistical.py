@@ -1,0 +1,102 @@
+"""Speculative sampling through the real engine matches the target distribution (tiny random Llama).
+
+For a fixed context, the joint distribution of the next two tokens under speculative sampling with random trees
+and random draft distributions q must equal p(t1) * p(t2 | t1) computed exactly from the model. A broken
+acceptance rule (sampling the bonus from p instead of the residual) must fail the same test: the negative control.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+import server.engine.acceptance as acceptance
+from drafters.base import DraftTree
+from server.config import config_from_dict
+from server.engine.acceptance import SamplingParams, target_probs
+from server.engine.engine import Engine
+from tests.engine.tree_drafters import RandomQTreeDrafter
+
+V = 16
+PROMPT = [3, 7, 1, 12, 5, 9]
+
+
+def exact_joint(engine: Engine, seq, sp: SamplingParams) -> torch.Tensor:
+    """P(t1, t2) [V, V] from one verify of the tree root -> every token."""
+    tree = DraftTree([seq.token_ids[-1]] + list(range(V)), [-1] + [0] * V)
+    logits, _ = engine.verify(seq, tree)
+    p = target_probs(logits, sp)  # row 0: p(t1); row 1 + t1: p(t2 | t1)
+    return p[0][:, None] * p[1:]
+
+
+def sample_pairs(engine: Engine, seq, sp: SamplingParams, n: int) -> torch.Tensor:
+    """Counts [V, V] of the first two generated tokens over n independent speculative runs from one prefill."""
+    base_tokens, base_len = list(seq.token_ids), seq.cache_len
+    counts = torch.zeros(V, V)
+    for i in range(n):
+        seq.token_ids, seq.cache_len, seq.finish_reason = list(base_tokens), base_len, None
+        seq.generator.manual_seed(10_000 + i)
+        out = []
+        while len(out) < 2:
+            out += engine.step(seq)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum().item()
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    assert counts[probs == 0].sum() == 0, "a token of target probability zero was sampled"
+    expected = probs * n
+    big = expected >= 5  # pool the sparse cells into one, as chi-square needs
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * (obs.sum() / exp.sum())  # remove float round-off in the totals
+    return stats.chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    # Thousands of tiny forwards: one thread avoids OpenMP spin/wake costs that dominate such small ops.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 1, "max_seq_len": 64}})
+    yield Engine(cfg, RandomQTreeDrafter(V, max_rows=12, seed=0))
+    torch.set_num_threads(threads)
+
+
+def _prefilled(engine: Engine, sp: SamplingParams):
+    seq = engine.add(PROMPT, SamplingParams(), max_new_tokens=50)  # greedy prefill: a fixed first token
+    engine.prefill(seq)
+    seq.sampling = sp
+    return seq
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0),
+                                SamplingParams(temperature=0.7, top_k=10, top_p=0.9)],
+                         ids=["t1", "t0.7-k10-p0.9"])
+def test_speculative_sampling_matches_target(engine, sp):
+    seq = _prefilled(engine, sp)
+    try:
+        joint = exact_joint(engine, seq, sp)
+        counts = sample_pairs(engine, seq, sp, 20_000)
+    finally:
+        engine.release(seq)
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_negative_control_broken_rule_is_caught(engine, monkeypatch):
+    """Sampling the bonus from the unmodified p after rejections (a classic bug) must be detected."""
+    real = acceptance._normalise
+    monkeypatch.setattr(acceptance, "_normalise", lambda p, fallback: fallback if p.sum() > 0 else real(p, fallback))
+    sp = SamplingParams(temperature=1.0)
+    seq = _prefilled(engine, sp)
+    try:
+        joint = exact_joint(engine, seq, sp)
+        counts = sample_pairs(engine, seq, sp, 20_000)
+    finally:
+        engine.release(seq)
+    assert chi2_pvalue(counts, joint) < 1e-6

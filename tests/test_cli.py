@@ -1,0 +1,44 @@
+"""The CLI contract: `specserve generate` and `specserve bench offline` on the default model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from server.cli import main
+
+
+def test_generate_json_subprocess(tmp_path):
+    cmd = [sys.executable, "-m", "server.cli", "generate", "--config", "deploy/configs/ngram.yaml",
+           "--dtype", "float32", "--messages", '[{"role": "user", "content": "Say hello."}]',
+           "--max-tokens", "8", "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out) == {"text", "token_ids", "stats"} and 1 <= len(out["token_ids"]) <= 8
+    assert out["stats"]["drafter"] == "ngram" and out["stats"]["verify_steps"] >= 1
+    assert isinstance(out["text"], str) and out["text"]
+
+
+def test_generate_bad_drafter_is_a_clear_error(capsys):
+    assert main(["generate", "--drafter", "nope", "--prompt", "x", "--max-tokens", "2"]) == 2
+    assert "valid drafters" in capsys.readouterr().err
+
+
+def test_bench_offline_json(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 10."}]}) + "\n"
+                       + json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "offline", "--dtype", "float32", "--drafter", "ngram", "--prompts", str(prompts),
+               "--max-tokens", "12", "--baseline", "hf", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ngram" in printed and "hf generate" in printed
+    rep = json.loads(out.read_text())
+    assert rep["prompts"] == 2 and rep["max_tokens"] == 12
+    by = {r["drafter"]: r for r in rep["results"]}
+    assert set(by) == {"none", "ngram"} and by["none"]["speedup_vs_none"] == 1.0
+    assert by["ngram"]["lossless"] and by["ngram"]["outputs"] == by["none"]["outputs"]
+    assert rep["baseline_hf"]["outputs"] == by["none"]["outputs"]  # fp32: token for token
+    assert rep["baseline_hf"]["tokens_per_s"] > 0 and "speedup_vs_hf" in by["ngram"]
