@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test serve bench clean prometheus
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -23,7 +23,14 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
-test: setup
+# The metrics tests scrape the server with a real Prometheus (Debian package), installed here when missing.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "note: install the Debian package 'prometheus' to run the Prometheus scrape tests"; fi; }
+
+test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: setup

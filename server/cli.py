@@ -1,4 +1,4 @@
-"""`specserve` command line: generate, bench offline (serving and training commands join as they land).
+"""`specserve` command line: serve, generate, bench offline (training commands join as they land).
 
 Every command takes ``--config`` and the overrides ``--drafter`` / ``--dtype`` / ``--device``. Environment variables
 are read here, at the entry point, and nowhere below.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from server.config import ConfigError, EngineConfig, load_config
@@ -65,6 +66,28 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    from server.api.app import serve
+
+    cfg = _config(a, a.drafter)
+    host = a.host or cfg.server.host
+    port = a.port if a.port is not None else cfg.server.port
+    api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+    return serve(cfg, host, port, api_key, drain_timeout=a.drain_timeout)
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from server.bench.serve import format_serve_report, run_serve_bench
+
+    api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
+    rep = run_serve_bench(a.url, api_key, a.prompts, a.concurrency, a.num_requests, a.max_tokens)
+    print(format_serve_report(rep))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 0 if rep["errors"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible server with lossless "
                                 "speculative decoding")
@@ -83,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"}')
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API (API process + one worker process)")
+    _common(s)
+    s.add_argument("--host", default=None, help="bind address (default: the config's server.host)")
+    s.add_argument("--port", type=int, default=None, help="port (default: the config's server.port)")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (also $SPECSERVE_API_KEY)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bo = bsub.add_parser("offline", help="drafters vs plain decoding (and HF generate) on one prompt set")
@@ -93,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--repeats", type=int, default=1, help="passes over the prompts; tok/s is their median")
     bo.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
     bo.set_defaults(func=cmd_bench_offline)
+    bs = bsub.add_parser("serve", help="drive a running server through the OpenAI streaming API")
+    bs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    bs.add_argument("--api-key", default=None, help="bearer key (also $SPECSERVE_API_KEY)")
+    bs.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
+    bs.add_argument("--concurrency", type=int, default=1)
+    bs.add_argument("--num-requests", type=int, default=16)
+    bs.add_argument("--max-tokens", type=int, default=64)
+    bs.add_argument("--json", default=None, metavar="OUT")
+    bs.set_defaults(func=cmd_bench_serve)
     return p
 
 

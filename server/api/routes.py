@@ -1,0 +1,205 @@
+"""HTTP routes: chat and text completions (JSON or SSE), models, health, metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Annotated, AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from server.api.errors import APIError, api_key_dependency
+from server.api.generation import Generation
+from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
+from server.tokenization import encode_chat, encode_text
+
+router = APIRouter()
+
+
+def _state(request: Request):
+    return request.app.state.s
+
+
+async def _auth(request: Request) -> None:
+    s = _state(request)
+    await api_key_dependency(s.api_key)(request)
+
+
+Auth = Annotated[None, Depends(_auth)]
+
+
+def _check_model(s, model: str) -> None:
+    if model != s.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{s.model_name}`.",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def _prepare(s, prompt_ids: list[int], sampling: dict) -> Generation:
+    """Context checks, admission control, and submission to the worker."""
+    if s.draining:
+        raise APIError(503, "the server is shutting down", "server_error", None, "shutting_down",
+                       headers={"Retry-After": "5"})
+    if not s.worker.alive:
+        raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
+    ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
+    if n >= ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
+                       "(at least one must remain for the completion).", "invalid_request_error", "messages",
+                       "context_length_exceeded")
+    max_tokens = sampling["max_tokens"]
+    if max_tokens is None:
+        max_tokens = ctx - n
+    elif n + max_tokens > ctx:
+        raise APIError(400, f"This model's maximum context length is {ctx} tokens; you requested {n + max_tokens} "
+                       f"tokens ({n} in the prompt, {max_tokens} for the completion).", "invalid_request_error",
+                       "max_tokens", "context_length_exceeded")
+    if s.worker.in_flight >= s.cfg.cache.num_slots + s.cfg.server.max_waiting:
+        raise APIError(503, "the server is overloaded: the waiting queue is full; retry later", "server_error",
+                       None, "queue_full", headers={"Retry-After": "1"})
+    gen = Generation(s.worker, s.tokenizer, s.metrics, prompt_ids, {**sampling, "max_tokens": max_tokens},
+                     [] if sampling.get("ignore_eos") else s.stop_token_ids)
+    gen.submit()
+    return gen
+
+
+async def _collect(request: Request, gen: Generation) -> str | None:
+    """Run a non-streaming generation to the end; None if the client went away (the request is aborted)."""
+    async def consume() -> str:
+        return "".join([d.text async for d in gen.deltas()])
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(consume()), asyncio.create_task(disconnected())
+    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        watch.cancel()
+        return work.result()
+    work.cancel()
+    request.scope["state"]["outcome"] = "aborted"
+    try:
+        await work
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], include_usage: bool,
+            first: dict | None) -> StreamingResponse:
+    """SSE: optional role chunk, text deltas, a finish chunk, an optional usage chunk, then [DONE].
+
+    An error after the stream started goes out as a final `data: {"error": ...}` event, without [DONE].
+    """
+    state = request.scope["state"]
+
+    async def events() -> AsyncIterator[str]:
+        state["outcome"] = "aborted"  # until the stream ends on its own
+        try:
+            if first is not None:
+                yield _sse(chunk(first, None))
+            async for d in gen.deltas():
+                if d.text:
+                    yield _sse(chunk({"content": d.text} if first is not None else d.text, None))
+                if d.finish_reason:
+                    yield _sse(chunk({} if first is not None else "", d.finish_reason))
+            if include_usage:
+                yield _sse(chunk(None, None, usage=gen.usage()))
+            yield "data: [DONE]\n\n"
+            state["outcome"] = "completed"
+        except APIError as e:
+            state["outcome"] = "client_error" if e.status < 500 else "server_error"
+            yield _sse(e.to_body())
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/chat/completions", tags=["completions"])
+async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth):
+    s = _state(request)
+    _check_model(s, req.model)
+    messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
+    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages)
+    gen = _prepare(s, prompt_ids, sampling_from(req))
+    rid, created = "chatcmpl-" + gen.request_id.split("-", 1)[1], int(time.time())
+
+    def chunk(delta, finish, usage=None) -> dict:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name,
+               "choices": choices}
+        if req.stream_options and req.stream_options.include_usage:
+            out["usage"] = usage
+        return out
+
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(request, gen, chunk, include, first={"role": "assistant", "content": ""})
+    text = await _collect(request, gen)
+    if text is None:
+        return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
+    return {"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": gen.finish_reason, "logprobs": None}],
+            "usage": gen.usage()}
+
+
+@router.post("/v1/completions", tags=["completions"])
+async def completions(req: CompletionRequest, request: Request, _: Auth):
+    s = _state(request)
+    _check_model(s, req.model)
+    if isinstance(req.prompt, str):
+        prompt_ids = await run_in_threadpool(encode_text, s.tokenizer, req.prompt)
+    else:
+        prompt_ids = list(req.prompt)
+        vocab = s.worker.ready.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
+                           None)
+    gen = _prepare(s, prompt_ids, sampling_from(req))
+    rid, created = "cmpl-" + gen.request_id.split("-", 1)[1], int(time.time())
+
+    def chunk(text, finish, usage=None) -> dict:
+        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+        out = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
+               "choices": choices}
+        if req.stream_options and req.stream_options.include_usage:
+            out["usage"] = usage
+        return out
+
+    if req.stream:
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(request, gen, chunk, include, first=None)
+    text = await _collect(request, gen)
+    if text is None:
+        return Response(status_code=499)
+    return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}],
+            "usage": gen.usage()}
+
+
+@router.get("/v1/models", tags=["models"], response_model=ModelList)
+async def models(request: Request, _: Auth):
+    s = _state(request)
+    return ModelList(data=[ModelCard(id=s.model_name, created=s.created)])
+
+
+@router.get("/health", tags=["ops"])
+async def health(request: Request):
+    s = _state(request)
+    if s.worker.alive and await s.worker.ping(timeout=10.0):
+        return {"status": "ok", "worker": "alive", "worker_pid": s.worker.process.pid}
+    return JSONResponse({"status": "unhealthy", "worker": "dead" if s.worker.dead else "not answering"},
+                        status_code=503)
+
+
+@router.get("/metrics", tags=["ops"])
+async def metrics(request: Request):
+    body, ctype = _state(request).metrics.render()
+    return Response(body, media_type=ctype)

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the API process (`GET /metrics`), serving and speculation.
+
+Every series is prefixed `specserve_` and labelled by model and drafter. Worker-side figures (speculation per verify
+step, running / waiting requests, KV-cache usage) arrive as worker messages and are folded in here, so one scrape of
+the API process sees everything. Rates (acceptance rate, tokens/s) come from counters, never from last-batch gauges.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from server.worker import messages as m
+
+OUTCOMES = ("completed", "client_error", "server_error", "aborted")
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+MAX_POSITIONS = 16  # accepted-per-position series for draft depths 1..16 (deeper ones count in the last)
+
+
+class Metrics:
+    def __init__(self, model: str, drafter: str):
+        self.registry = r = CollectorRegistry()
+        self.labels = {"model": model, "drafter": drafter}
+        ln = ["model", "drafter"]
+        self.received = Counter("specserve_requests_received", "Requests received on the generation endpoints",
+                                ln, registry=r)
+        self.requests = Counter("specserve_requests", "Finished requests by outcome", ln + ["outcome"], registry=r)
+        self.e2e = Histogram("specserve_request_latency_seconds", "End-to-end request latency", ln,
+                             buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token", ln,
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("specserve_inter_token_latency_seconds",
+                             "Latency per generated token after the first (a step's gap shared by its tokens)", ln,
+                             buckets=_ITL, registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens processed", ln, registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", ln, registry=r)
+        self.running = Gauge("specserve_requests_running", "Requests holding a KV slot", ln, registry=r)
+        self.waiting = Gauge("specserve_requests_waiting", "Requests queued for a KV slot", ln, registry=r)
+        self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Fraction of KV-cache token capacity in use", ln,
+                              registry=r)
+        self.verify_steps = Counter("specserve_spec_verify_steps", "Target verification forwards", ln, registry=r)
+        self.drafts = Counter("specserve_spec_drafts", "Verify steps that carried at least one draft token", ln,
+                              registry=r)
+        self.draft_tokens = Counter("specserve_spec_draft_tokens", "Draft tokens proposed", ln, registry=r)
+        self.accepted_tokens = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted", ln, registry=r)
+        self.accepted_per_position = Counter("specserve_spec_accepted_tokens_per_position",
+                                             "Accepted draft tokens by draft depth (1 = first after the root)",
+                                             ln + ["position"], registry=r)
+        self.accepted_length = Histogram("specserve_spec_accepted_length",
+                                         "Tokens emitted per verify step (accepted drafts + bonus)", ln,
+                                         buckets=tuple(range(1, MAX_POSITIONS + 2)), registry=r)
+        for o in OUTCOMES:  # export zeros so dashboards and balance checks see every outcome from the start
+            self.requests.labels(**self.labels, outcome=o)
+        for p in range(1, MAX_POSITIONS + 1):
+            self.accepted_per_position.labels(**self.labels, position=str(p))
+
+    def on_worker_message(self, msg: m.FromWorker) -> None:
+        lb = self.labels
+        if isinstance(msg, m.Status):
+            self.running.labels(**lb).set(msg.running)
+            self.waiting.labels(**lb).set(msg.waiting)
+            self.kv_usage.labels(**lb).set(msg.kv_usage)
+        elif isinstance(msg, m.Tokens):
+            for st in msg.steps:
+                self.verify_steps.labels(**lb).inc()
+                if st.draft_tokens:
+                    self.drafts.labels(**lb).inc()
+                    self.draft_tokens.labels(**lb).inc(st.draft_tokens)
+                    self.accepted_tokens.labels(**lb).inc(st.accepted_tokens)
+                for p in range(1, st.accepted_tokens + 1):
+                    self.accepted_per_position.labels(**lb, position=str(min(p, MAX_POSITIONS))).inc()
+                self.accepted_length.labels(**lb).observe(st.accepted_tokens + 1)
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(**self.labels, outcome=outcome).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

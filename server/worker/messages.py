@@ -1,0 +1,103 @@
+"""Every message that crosses between the API process and the worker process, and nothing else.
+
+Small typed structs encoded with msgpack (msgspec): the worker decodes only these shapes, never a pickle, so no byte
+a client sent can run code on the other side. The API process has already turned the client's JSON into token ids
+and numbers before anything is sent.
+"""
+from __future__ import annotations
+
+import msgspec
+
+
+# -- API process -> worker ---------------------------------------------------------------------------------------
+class Generate(msgspec.Struct, tag="generate", frozen=True):
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    """Finish the running and waiting requests, then exit."""
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    """Health probe; the worker answers between two steps."""
+
+    request_id: str
+
+
+# -- worker -> API process ---------------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    model_id: str
+    drafter: str
+    max_seq_len: int
+    num_slots: int
+    vocab_size: int
+    device: str
+    dtype: str
+
+
+class StepStats(msgspec.Struct, frozen=True):
+    """Speculation figures of one verify step, for the metrics."""
+
+    draft_tokens: int
+    accepted_tokens: int  # draft tokens accepted (bonus excluded)
+
+
+class Tokens(msgspec.Struct, tag="tokens", frozen=True):
+    """Tokens emitted for one request by prefill or by one or more verify steps."""
+
+    request_id: str
+    token_ids: list[int]
+    steps: list[StepStats] = []
+    finish_reason: str | None = None  # "stop" | "length" once the request is done
+    usage: dict[str, float | int | str] | None = None  # final speculative stats, with the finish
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    """The worker could not run a request (bad input it detected, or an engine fault)."""
+
+    request_id: str
+    message: str
+    kind: str = "invalid_request_error"  # or "server_error", or "overloaded" (queue full)
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    request_id: str
+
+
+class Status(msgspec.Struct, tag="status", frozen=True):
+    """Scheduler gauges, sent whenever they change."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+ToWorker = Generate | Abort | Shutdown | Ping
+FromWorker = Ready | Tokens | Failed | Status | Pong
+
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: ToWorker | FromWorker) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_worker(data: bytes) -> ToWorker:
+    return _to_worker.decode(data)
+
+
+def decode_from_worker(data: bytes) -> FromWorker:
+    return _from_worker.decode(data)

@@ -1,0 +1,215 @@
+"""The worker process (owns the engine and the accelerator) and its client in the API process.
+
+They talk over an anonymous pipe pair created by ``multiprocessing`` (no socket, nothing reachable off the machine),
+carrying only the msgpack structs of ``server.worker.messages``. The API side reads the pipe on one thread and hands
+each message to the asyncio loop; requests get an ``asyncio.Queue`` of worker messages each.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from server.config import EngineConfig
+from server.worker import messages as m
+
+log = logging.getLogger("specserve.worker")
+
+
+def worker_main(cfg: EngineConfig, conn: Connection) -> None:
+    """Entry point of the worker process: build the engine, announce it, then serve until told to stop."""
+    import torch
+
+    from server.engine.engine import Engine
+    from server.worker.scheduler import Scheduler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    if os.environ.get("SPECSERVE_WORKER_THREADS"):
+        torch.set_num_threads(int(os.environ["SPECSERVE_WORKER_THREADS"]))
+    engine = Engine(cfg)
+
+    def send(msg: m.FromWorker) -> None:
+        conn.send_bytes(m.encode(msg))
+
+    a = engine.model.args
+    send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, cfg.cache.num_slots,
+                 a.vocab_size, str(engine.device), cfg.model.dtype))
+    sched = Scheduler(engine, send, cfg.server.max_waiting)
+
+    def poll(timeout: float = 0.0) -> None:
+        while conn.poll(timeout):
+            sched.handle(m.decode_to_worker(conn.recv_bytes()))
+            timeout = 0.0
+
+    try:
+        while not (sched.stopping and sched.idle):
+            poll(0.0 if not sched.idle else 0.05)
+            if sched.stopping and sched.idle:
+                break
+            sched.admit()
+            sched.status()  # admissions show in the gauges before the first step
+            sched.step_all(poll)
+            sched.status()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        log.info("API process went away; worker exits")
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited or stopped answering."""
+
+
+class WorkerClient:
+    """API-process side: start the worker, submit requests, route replies, notice the worker's death."""
+
+    def __init__(self, cfg: EngineConfig, on_death: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.on_death = on_death
+        self.ready: m.Ready | None = None
+        self.status = m.Status(0, 0, 0.0)
+        self.dead = False
+        self.crashed = False  # died without being told to shut down
+        self._closing = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._send_lock = threading.Lock()
+        self._listeners: list[Callable[[m.FromWorker], None]] = []
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, CUDA-safe
+        self._conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_main, args=(cfg, child), name="specserve-worker", daemon=True)
+        self._child = child
+
+    def start(self, timeout: float = 600.0) -> m.Ready:
+        """Start the worker and block until it has loaded the model (first GGUF conversion included)."""
+        self.process.start()
+        self._child.close()
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.2):
+            if not self.process.is_alive():
+                raise WorkerDied(f"worker exited during start-up (exit code {self.process.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerDied("worker did not become ready in time")
+        msg = m.decode_from_worker(self._conn.recv_bytes())
+        if not isinstance(msg, m.Ready):
+            raise WorkerDied(f"unexpected first message from the worker: {msg!r}")
+        self.ready = msg
+        return msg
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin routing worker messages into ``loop`` (call from the serving event loop)."""
+        self._loop = loop
+        threading.Thread(target=self._reader, name="specserve-worker-reader", daemon=True).start()
+
+    def add_listener(self, fn: Callable[[m.FromWorker], None]) -> None:
+        """``fn`` sees every message on the event loop (metrics)."""
+        self._listeners.append(fn)
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                msg = m.decode_from_worker(self._conn.recv_bytes())
+                try:
+                    self._loop.call_soon_threadsafe(self._dispatch, msg)
+                except RuntimeError:  # loop closed
+                    return
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a malformed message means the worker is broken: treat as death
+            log.exception("bad message from the worker")
+        try:
+            self._loop.call_soon_threadsafe(self._died)
+        except RuntimeError:  # the serving loop is already closed: we are shutting down
+            self.dead = True
+
+    def _dispatch(self, msg: m.FromWorker) -> None:
+        for fn in self._listeners:
+            fn(msg)
+        if isinstance(msg, m.Status):
+            self.status = msg
+            return
+        q = self._queues.get(msg.request_id)
+        if q is not None:
+            q.put_nowait(msg)
+            if isinstance(msg, (m.Failed, m.Pong)) or (isinstance(msg, m.Tokens) and msg.finish_reason):
+                self._queues.pop(msg.request_id, None)
+
+    def _died(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        if self._closing:
+            return
+        self.crashed = True
+        log.error("the worker process died (exit code %s)", self.process.exitcode)
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(m.Failed(rid, "the worker process died", kind="server_error"))
+        self._queues.clear()
+        if self.on_death:
+            self.on_death()
+
+    def _send(self, msg: m.ToWorker) -> None:
+        if self.dead:
+            raise WorkerDied("the worker process is not running")
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(m.encode(msg))
+        except (OSError, ValueError) as e:
+            raise WorkerDied(f"cannot reach the worker: {e}") from None
+
+    def submit(self, req: m.Generate | m.Ping) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = q
+        try:
+            self._send(req)
+        except WorkerDied:
+            self._queues.pop(req.request_id, None)
+            raise
+        return q
+
+    def abort(self, request_id: str) -> None:
+        if self._queues.pop(request_id, None) is not None and not self.dead:
+            try:
+                self._send(m.Abort(request_id))
+            except WorkerDied:
+                pass
+
+    async def ping(self, timeout: float) -> bool:
+        """True when the worker answers a probe within ``timeout`` seconds."""
+        rid = new_request_id("ping")
+        try:
+            q = self.submit(m.Ping(rid))
+            await asyncio.wait_for(q.get(), timeout)
+            return not self.dead
+        except (WorkerDied, asyncio.TimeoutError):
+            self._queues.pop(rid, None)
+            return False
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests submitted and not finished (health probes excluded)."""
+        return sum(1 for rid in self._queues if not rid.startswith("ping-"))
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and self.process.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        if self.alive:
+            try:
+                self._send(m.Shutdown())
+            except WorkerDied:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,140 @@
+"""The official `openai` client against a real server on loopback (default model, ngram drafter)."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.server.conftest import metric, scrape, wait_balanced
+
+HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, model):
+    assert model == "SmolLM2-135M-Instruct"
+
+
+def test_chat_non_streaming(client, model):
+    r = client.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content and c.finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 0 and 1 <= u.completion_tokens <= 12
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    extra = u.model_extra
+    assert extra["drafter"] == "ngram" and extra["verify_steps"] >= 1 and extra["mean_accepted_length"] >= 1.0
+
+
+def test_chat_streaming_matches_non_streaming(client, model):
+    full = client.chat.completions.create(model=model, messages=HELLO, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(model=model, messages=HELLO, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.model_extra["drafter"] == "ngram"
+
+
+def test_stream_ends_with_done_raw_sse(server, model):
+    body = {"model": model, "messages": HELLO, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=server.headers,
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_text_completions_string_and_token_ids(client, model):
+    r = client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text
+    ids = [755, 1045, 30, 84, 28, 275, 2730]  # token ids are accepted as the prompt
+    r2 = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0)
+    assert r2.usage.prompt_tokens == len(ids)
+    s = client.completions.create(model=model, prompt="def add(a, b):\n", max_tokens=10, temperature=0,
+                                  stream=True)
+    assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+
+
+def test_stop_strings_never_leak(client, model):
+    base = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
+                                          max_tokens=60, temperature=0).choices[0].message.content
+    assert len(base) > 12
+    stop = base[8:12]  # a stop string somewhere inside the natural output
+    for stream in (False, True):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
+                                           max_tokens=60, temperature=0, stop=[stop, "zzzz"], stream=stream)
+        if stream:
+            parts = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            finish = [c.choices[0].finish_reason for c in parts if c.choices and c.choices[0].finish_reason][0]
+        else:
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert stop not in text and base.startswith(text) and finish == "stop"
+        assert text == base[:base.index(stop)]
+
+
+def test_seed_reproducibility(client, model):
+    kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=20,
+              temperature=1.0, top_p=0.95)
+    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    c = client.chat.completions.create(seed=8, **kw).choices[0].message.content
+    assert a == b and a != c
+
+
+def test_concurrent_async_streams_all_progress(server, model):
+    async def run():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+        async def one(i):
+            s = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Write a poem number {i}."}], max_tokens=24,
+                temperature=0, stream=True)
+            n = 0
+            async for c in s:
+                if c.choices and c.choices[0].delta.content:
+                    n += 1
+            return n
+
+        counts = await asyncio.gather(*(one(i) for i in range(4)))
+        await client.close()
+        return counts
+
+    assert all(n > 0 for n in asyncio.run(run()))
+    samples = scrape(server.url)
+    assert metric(samples, "specserve_requests_running") == 0
+
+
+def test_metrics_move_and_balance(server, client, model):
+    wait_balanced(server.url)
+    before = scrape(server.url)
+    client.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0)
+    wait_balanced(server.url)
+    after = scrape(server.url)
+    for name in ("specserve_requests_received_total", "specserve_generation_tokens_total",
+                 "specserve_prompt_tokens_total", "specserve_spec_verify_steps_total",
+                 "specserve_time_to_first_token_seconds_count", "specserve_request_latency_seconds_count"):
+        assert metric(after, name) > metric(before, name), name
+    assert metric(after, "specserve_requests_total", outcome="completed") == \
+        metric(before, "specserve_requests_total", outcome="completed") + 1
+    assert wait_balanced(server.url)
+    assert metric(after, "specserve_requests_waiting") == 0
+    assert {lb for (n, lb) in after if n == "specserve_requests_running"} == \
+        {frozenset({("model", model), ("drafter", "ngram")})}
