@@ -1,8 +1,21 @@
 """Where the engine picks its attention and KV-compaction implementations.
 
-CUDA runs the Triton kernels; CPU runs PyTorch's SDPA with a boolean mask (built once per forward and shared by
-every layer) and the plain-torch compaction reference. Kernel choice lives here, at the call site, so the model code
-stays plain eager PyTorch.
+CUDA runs the Triton kernels; CPU runs PyTorch's SDPA (masks built once per forward and shared by every layer) and
+the plain-torch compaction reference. Kernel choice lives here, at the call site, so the model code stays plain
+eager PyTorch.
+
+CPU decode steps and draft rows ("decode form"). SDPA's CPU kernel is not row-invariant: a query row's low bits
+depend on how many rows share the call, on the key count and on the mask. In bfloat16 one last-bit difference is
+enough to flip a greedy token a few steps later: ngram speculation reproduced plain decoding on only 2 of 8 bench
+prompts. One query row per batch entry, over keys padded to a multiple of KEY_BLOCK with the padding masked, gives a
+row the same bits whatever else is in the call (measured: bitwise, cache lengths 5..1980, 1..64 rows). So a decode
+step makes that call, and verification in 16-bit dtypes puts the leading chain rows of a draft (row i sees exactly
+new rows 0..i, as a decode step at that position would) into the batch dimension. The bfloat16 linear layers are
+row-invariant too (see model.linear), so those rows reproduce plain decoding bit for bit and greedy speculation
+emits the same tokens as plain decoding. Padded keys also hit a faster SDPA path than odd key counts, so decode
+steps do not get slower. Float32 verification keeps one multi-row call: its differences are ~1e-7 and its matmuls
+are not row-invariant anyway. Trade-off: bfloat16 decoding is no longer bit-identical to transformers' (whose decode
+call has unpadded keys); float32 still is.
 """
 from __future__ import annotations
 
@@ -12,28 +25,76 @@ import torch.nn.functional as F
 from kernels.kv_compact import kv_compact, kv_compact_ref
 from kernels.tree_attention import tree_attention, tree_mask_to_bool
 
+KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a decode step and a draft row share shapes
+# At most this many chain rows in decode form: each costs one decode step's attention (SDPA shares nothing between
+# them): measured ~0 at 40 cached tokens and ~+1.5 ms at 700 for a 6-row verify (~25-35 ms), ~+20 ms for a 16-row
+# verify at 2k. Later rows, reached only when the first 16 drafts are all accepted, take the multi-row call.
+EXACT_MAX_ROWS = 16
 
-def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None):
-    """An attention function for one forward of ``num_rows`` new rows after ``cache_len`` cached ones."""
+
+def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None,
+                   dtype: torch.dtype = torch.float32, max_len: int | None = None):
+    """An attention function for one forward of ``num_rows`` new rows after ``cache_len`` cached ones.
+
+    ``dtype`` is the model's, ``max_len`` the KV slot's capacity; without ``max_len`` every CPU forward makes one
+    plain SDPA call.
+    """
     if device.type == "cuda":
         return tree_attention
 
-    if num_rows == 1:
-        mask, causal = None, False  # one row sees the whole prefix and itself
-    elif cache_len == 0 and tree_mask is None:
-        mask, causal = None, True
-    else:
-        mask, causal = tree_mask_to_bool(tree_mask, cache_len, num_rows).to(device), False  # [T, cache_len + T]
+    T, end = num_rows, cache_len + num_rows
+    if cache_len == 0 and tree_mask is None:  # prefill: the prompt's rows are causal
+        return _attention([(0, T, end, None, False)], T, causal=True)
+    if max_len is None:
+        mask = None if T == 1 else tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
+        return _attention([(0, T, end, mask, False)], T)
 
-    def sdpa(q, k_cache, v_cache, cache_len_, tree_mask_):
-        # q: [T, H, D]; k_cache, v_cache: [H_kv, S, D]
-        end = cache_len + num_rows
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[None, :, :end], v_cache[None, :, :end],
-            attn_mask=mask, is_causal=causal, enable_gqa=True)  # [1, H, T, D]
-        return out[0].transpose(0, 1)
+    visible = torch.ones(1, end, dtype=torch.bool, device=device) if T == 1 else \
+        tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
+    if T == 1:
+        n_exact = 1
+    elif dtype == torch.float32:
+        n_exact = 0
+    else:  # leading rows that see exactly new rows 0..i: decode steps at positions cache_len + i
+        chain = visible[:, cache_len:] == torch.ones(T, T, dtype=torch.bool, device=device).tril()  # [T, T]
+        n_exact = min(int(chain.all(dim=1).cumprod(0).sum()), EXACT_MAX_ROWS)
 
-    return sdpa
+    calls = []  # (first row, end row, keys, additive mask, one query row per batch entry)
+    i = 0
+    while i < n_exact:  # rows i..j-1 pad to the same key count e (at most 2 groups while T <= KEY_BLOCK)
+        e = min(-(-(cache_len + i + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
+        j = min(n_exact, e - cache_len)
+        w = min(e, end)
+        mask = torch.full((j - i, 1, 1, e), float("-inf"), dtype=dtype, device=device)  # [rows, 1, 1, e]
+        mask[:, 0, 0, :w].masked_fill_(visible[i:j, :w], 0.0)
+        calls.append((i, j, e, mask, True))
+        i = j
+    if n_exact < T:  # the other rows (tree branches, long chains, float32): one multi-row call
+        mask = torch.zeros(T - n_exact, end, dtype=dtype, device=device).masked_fill_(
+            ~visible[n_exact:], float("-inf"))  # [rows, end]
+        calls.append((n_exact, T, end, mask, False))
+    return _attention(calls, T)
+
+
+def _attention(calls: list, T: int, causal: bool = False):
+    def attention(q, k_cache, v_cache, cache_len_, tree_mask_):
+        # q: [T, H, D]; k_cache, v_cache: [H_kv, S, D] -> [T, H, D]
+        outs = []
+        for i, j, e, mask, one_row in calls:
+            rows = q if j - i == T else q[i:j]
+            k, v = k_cache[None, :, :e], v_cache[None, :, :e]  # [1, H_kv, e, D]
+            if one_row:  # queries [rows, H, 1, D]; expanding the keys over the batch is a view, not a copy
+                if j - i > 1:
+                    k, v = k.expand(j - i, -1, -1, -1), v.expand(j - i, -1, -1, -1)
+                out = F.scaled_dot_product_attention(rows.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+                outs.append(out.squeeze(2))
+            else:
+                out = F.scaled_dot_product_attention(rows.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                                     is_causal=causal, enable_gqa=True)  # [1, H, rows, D]
+                outs.append(out[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    return attention
 
 
 def compact_kv(k: torch.Tensor, v: torch.Tensor, slot: int, src_rows: torch.Tensor, dst_start: int) -> None:

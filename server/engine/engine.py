@@ -189,7 +189,7 @@ class Engine:
         """T new rows after the cached prefix -> (logits [T, V] or of the last row, hidden [T, hidden])."""
         n = len(tokens)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        attn = make_attention(self.device, seq.cache_len, n, tree_mask)
+        attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
         k, v = self.pool.k[:, seq.slot], self.pool.v[:, seq.slot]  # [L, H_kv, S, D]
         return self.model(ids, positions, k, v, seq.cache_len, tree_mask, attn)  # [T, hidden]
 

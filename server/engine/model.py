@@ -5,8 +5,8 @@ attention, SwiGLU MLP, tied or untied LM head) so that attention can go through 
 takes a set of new rows (1 = decode, many + causal = prefill, a draft tree = verification), writes their K/V into
 the sequence's KV slot right after the cached prefix, and attends to prefix + visible new rows.
 
-Projections are fused (one QKV matmul, one gate/up matmul): on a 2-core CPU the per-op overhead of a 30-layer
-model is a large share of a decode step.
+Projections are fused (one QKV matmul, one gate/up matmul) and the layers call their weights directly rather than
+through nn.Module: on a 2-core CPU the per-op overhead of a 30-layer model is a large share of a decode step.
 """
 from __future__ import annotations
 
@@ -85,17 +85,20 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 
 
 class Rope(nn.Module):
-    """cos/sin tables [max_len, D] (halves duplicated, transformers' rotate_half layout), built once in float32."""
+    """cos/sin tables [max_len, D] (halves duplicated, transformers' rotate_half layout), built once in float32.
+
+    ``sin`` has rotate_half's sign folded in (first half negated): x * cos + roll(x, D/2) * sin is then the same
+    products as transformers' x * cos + rotate_half(x) * sin, bit for bit (negation is exact), in fewer ops.
+    """
 
     def __init__(self, args: LlamaArgs, max_len: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))  # [S, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)  # [S, D]
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)  # [S, D]
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for positions [T], cast once per forward (as transformers casts them)."""
+        """cos, signed sin [T, 1, D] for positions [T], cast once per forward (as transformers casts them)."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,15 +107,33 @@ class Rope(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    """x [T, heads, D] with Rope.table's cos and signed sin [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers (variance in float32, cast back, then scale) for fp32 exactness.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # transformers' order of operations (normalize in float32, cast back, then scale), so float32 matches it bit for
+    # bit; F.rms_norm computes x * rsqrt(mean(x^2) + eps) like transformers, in fewer Python-level ops.
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ weight[out, in].T -> [T, out].
+
+    CPU kernel choice, measured on the default model (bf16, 2 cores; see tests/engine/test_perf_paths.py):
+    - one row (decode): torch.mv, ~1.4x faster than addmm with M = 1 in bfloat16, same bits in float32;
+    - bfloat16, 2..64 rows (draft verification, short prompts): weight @ x.T, ~1.4x faster than F.linear even with
+      the transposing copy (oneDNN's x @ W.T is slow for small M; past ~100 rows it wins again);
+    - more rows, or float32: F.linear.
+    In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count (F.linear only up to 32
+    rows), so a verified draft row gets exactly the logits and KV a decode step would.
+    """
+    T = x.shape[0]
+    if T == 1:
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    if x.dtype == torch.bfloat16 and T <= 64 and x.device.type == "cpu":
+        return torch.mm(weight, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
+    return F.linear(x, weight)
 
 
 # attention(q [T,H,D], k_cache [H_kv,S,D], v_cache, cache_len, tree_mask | None) -> [T,H,D]
@@ -133,19 +154,17 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, cache_len: int, tree_mask, attention: AttentionFn):
         a = self.a
-        T = x.shape[0]
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, a.rms_norm_eps))  # [T, (H + 2 H_kv) D]
-        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
-                             a.num_kv_heads * a.head_dim], dim=-1)
-        q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)  # [T, H_kv, D]
+        T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
+        qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
+        qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
+        qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
         # New rows go right after the prefix; acceptance later compacts the accepted ones into place.
-        k_cache[:, cache_len:cache_len + T] = k.transpose(0, 1)
-        v_cache[:, cache_len:cache_len + T] = v.view(T, a.num_kv_heads, a.head_dim).transpose(0, 1)
-        o = attention(q, k_cache, v_cache, cache_len, tree_mask)  # [T, H, D]
-        x = x + self.wo(o.reshape(T, -1))
-        gate, up = self.w_gate_up(rms_norm(x, self.mlp_norm, a.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        k_cache[:, cache_len:cache_len + T] = qk[:, H:].transpose(0, 1)
+        v_cache[:, cache_len:cache_len + T] = qkv[:, H + H_kv:].transpose(0, 1)
+        o = attention(qk[:, :H], k_cache, v_cache, cache_len, tree_mask)  # [T, H, D]
+        x = x + linear(o.reshape(T, -1), self.wo.weight)
+        gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w_down.weight)
 
 
 class Llama(nn.Module):
@@ -168,14 +187,14 @@ class Llama(nn.Module):
         tree_mask: int64 ancestor bitmask [T] (bit j of row i: new row j visible to row i) or None for causal.
         """
         x = self.embed(tokens)  # [T, hidden]
-        cos, sin = self.rope.table(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], cache_len, tree_mask, attention)
+        cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
+        for layer, k, v in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
+            x = layer.forward(x, cos, sin, k, v, cache_len, tree_mask, attention)  # .forward: skip hook dispatch
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] pre-norm hidden states -> [T, V] logits."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.args.rms_norm_eps))
+        return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head.weight)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load transformers' Llama weight names into the fused layout."""

@@ -87,7 +87,7 @@ def test_sampling_from_values():
     assert sampling_from(req) == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "top_k": 40, "seed": -3,
                                   "stop": ["\n\n"], "ignore_eos": False}
     assert sampling_from(completion(max_tokens=9, stop=["a", "b"], top_k=0)) == {
-        "max_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": ["a", "b"]}
+        "max_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": ["a", "b"], "ignore_eos": False}
     assert sampling_from(chat(max_tokens=4, max_completion_tokens=4))["max_tokens"] == 4
 
 

@@ -1,0 +1,145 @@
+"""The CPU fast paths: per-row-count matmul kernels (model.linear) and decode-form attention (backend).
+
+- every linear path computes x @ W.T, and in bfloat16 gives a row the same bits whatever the row count;
+- every CPU attention call shape (prefill, decode, chain rows, tree rows, keys padded up to the end of the KV slot)
+  agrees with the plain-torch reference;
+- bfloat16 on the default model: the rows of a draft chain get bit-identical logits to plain decode steps, so greedy
+  ngram speculation emits exactly the plain decoding tokens (in float32 test_speculative_greedy covers this).
+The bit-exactness tests skip where this CPU's bfloat16 kernels are not row-invariant (measured on AMX Xeons).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.base import DraftTree, create_drafter
+from kernels.tree_attention import ancestor_bitmask, tree_attention_ref
+from server.config import config_from_dict
+from server.engine.backend import EXACT_MAX_ROWS, make_attention
+from server.engine.engine import Engine, load_target
+from server.engine.model import linear
+from server.tokenization import encode_chat, stop_token_ids
+
+CPU = torch.device("cpu")
+
+
+def _bf16_rows_invariant() -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
+    one = torch.cat([linear(x[i:i + 1], w) for i in range(40)])
+    return all(torch.equal(linear(x[:t], w), one[:t]) for t in (2, 6, 32, 40))
+
+
+needs_row_invariance = pytest.mark.skipif(not _bf16_rows_invariant(),
+                                          reason="this CPU's bfloat16 matmuls are not row-invariant")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 6, 64, 65, 130])
+def test_linear_paths_compute_x_wt(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    out = linear(x, w)
+    assert out.shape == (rows, 96) and out.dtype == dtype and out.is_contiguous()
+    ref = x.double() @ w.double().T
+    tol = 1e-4 if dtype == torch.float32 else 5e-2 * ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= tol
+
+
+@needs_row_invariance
+def test_bf16_linear_rows_are_row_count_invariant():
+    g = torch.Generator().manual_seed(1)
+    for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = (torch.randn(out_f, in_f, generator=g) * 0.05).to(torch.bfloat16)
+        x = torch.randn(64, in_f, generator=g).to(torch.bfloat16)
+        one = torch.cat([linear(x[i:i + 1], w) for i in range(64)])
+        for t in (2, 3, 6, 17, 32, 33, 64):
+            assert torch.equal(linear(x[:t], w), one[:t]), (out_f, in_f, t)
+
+
+CASES = [  # (cache_len, parents or None for causal rows, max_len)
+    (0, list(range(-1, 7)), 256),  # prefill (causal)
+    (0, [-1], 256),  # one-token prompt
+    (5, [-1], 256),  # decode steps, before and across a key block boundary
+    (63, [-1], 256),
+    (64, [-1], 256),
+    (40, list(range(-1, 5)), 256),  # an ngram chain
+    (60, list(range(-1, 5)), 256),  # a chain whose rows pad to two different key counts
+    (60, [-1, 0, 1, 1, 0, 4, 2, 3], 256),  # a tree: chain prefix 0-1-2, then branches
+    (10, list(range(-1, EXACT_MAX_ROWS + 7)), 256),  # a chain longer than the decode-form rows
+    (90, list(range(-1, 7)), 100),  # padding clamped at the end of the slot
+    (97, [-1], 100),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_len,parents,max_len", CASES)
+def test_cpu_attention_matches_reference(dtype, cache_len, parents, max_len):
+    H, H_kv, D, T = 6, 2, 32, len(parents)
+    g = torch.Generator().manual_seed(cache_len * 100 + T)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(H_kv, max_len, D, generator=g).to(dtype)
+    v = torch.randn(H_kv, max_len, D, generator=g).to(dtype)
+    mask = ancestor_bitmask(parents) if T > 1 and cache_len > 0 else None
+    attn = make_attention(CPU, cache_len, T, mask, dtype, max_len)
+    out = attn(q, k, v, cache_len, mask)
+    ref = tree_attention_ref(q, k, v, cache_len, mask)
+    assert out.shape == (T, H, D) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def target16():
+    cfg = config_from_dict({"model": {"dtype": "bfloat16", "device": "cpu"},
+                            "cache": {"num_slots": 1, "max_seq_len": 512}})
+    return cfg, load_target(cfg, progress=False)
+
+
+@needs_row_invariance
+def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer):
+    cfg, target = target16
+    engine = Engine(cfg, target=target)
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "List three uses of a paperclip."}])
+    seq = engine.add(ids, max_new_tokens=200)
+    engine.prefill(seq)
+    while seq.cache_len % 64 != 61:  # the draft's rows then pad to two key counts (64k and 64k + 64)
+        engine.step(seq)
+    start, root = seq.cache_len, seq.token_ids[-1]
+    with torch.inference_mode():
+        decoded = []  # logits of 6 plain decode steps
+        for _ in range(6):
+            logits, hidden = engine.verify(seq, DraftTree.root_only(seq.token_ids[-1]))
+            decoded.append(logits[0])
+            engine.commit(seq, [0], hidden)
+            seq.token_ids.append(int(logits[0].argmax()))
+        chain = seq.token_ids[-6:-1]
+        # the same rows as one chain verification, and as the chain rows of a tree with two extra branches
+        seq.cache_len = start
+        chain_logits, _ = engine.verify(seq, DraftTree.chain(root, chain))
+        tree = DraftTree([root, *chain[:3], 7, chain[3], 8, chain[4]], [-1, 0, 1, 2, 1, 3, 0, 5])
+        tree_logits, _ = engine.verify(seq, tree)
+    engine.release(seq)
+    assert torch.equal(chain_logits, torch.stack(decoded))
+    assert torch.equal(tree_logits[:4], torch.stack(decoded[:4]))  # rows 0..3 are a chain from the root
+    # rows 5 and 7 are further decode steps on the chain, behind a branch row: close (bfloat16), not bitwise
+    ref = torch.stack(decoded[4:6]).float()
+    assert (tree_logits[[5, 7]].float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+
+
+@needs_row_invariance
+def test_bf16_ngram_equals_plain(target16, tokenizer):
+    cfg, target = target16
+    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
+    plain = Engine(cfg, target=target)
+    ngram = Engine(cfg, create_drafter("ngram", target, {"num_tokens": 6}), target)
+    accepted = 0
+    for text in ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+                 "Write a Python function that checks whether a number is prime."]:
+        ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
+        ref = plain.generate(ids, max_new_tokens=48, stop_token_ids=stops).token_ids
+        out = ngram.generate(ids, max_new_tokens=48, stop_token_ids=stops)
+        assert out.token_ids == ref
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
