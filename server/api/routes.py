@@ -121,33 +121,41 @@ def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], inclu
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+async def _respond(request: Request, req, gen: Generation, chat: bool):
+    """The OpenAI response for a submitted generation: SSE chunks when streaming, else one JSON body."""
+    s = _state(request)
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + gen.request_id.split("-", 1)[1], "created": int(time.time()),
+            "model": s.model_name}
+    piece_key = "delta" if chat else "text"
+
+    def chunk(piece, finish, usage=None) -> dict:
+        # piece: a delta dict (chat) or a text (completions); None for the closing usage-only chunk
+        choices = [] if piece is None else [{"index": 0, piece_key: piece, "finish_reason": finish,
+                                             "logprobs": None}]
+        out = {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": choices}
+        if req.include_usage:
+            out["usage"] = usage
+        return out
+
+    if req.stream:
+        return _stream(request, gen, chunk, req.include_usage,
+                       first={"role": "assistant", "content": ""} if chat else None)
+    text = await _collect(request, gen)
+    if text is None:
+        return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
+    choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": gen.usage()}
+
+
 @router.post("/v1/chat/completions", tags=["completions"])
 async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth):
     s = _state(request)
     _check_model(s, req.model)
     messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
     prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages)
-    gen = _prepare(s, prompt_ids, sampling_from(req))
-    rid, created = "chatcmpl-" + gen.request_id.split("-", 1)[1], int(time.time())
-
-    def chunk(delta, finish, usage=None) -> dict:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": s.model_name,
-               "choices": choices}
-        if req.stream_options and req.stream_options.include_usage:
-            out["usage"] = usage
-        return out
-
-    if req.stream:
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(request, gen, chunk, include, first={"role": "assistant", "content": ""})
-    text = await _collect(request, gen)
-    if text is None:
-        return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
-    return {"id": rid, "object": "chat.completion", "created": created, "model": s.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": gen.finish_reason, "logprobs": None}],
-            "usage": gen.usage()}
+    return await _respond(request, req, _prepare(s, prompt_ids, sampling_from(req)), chat=True)
 
 
 @router.post("/v1/completions", tags=["completions"])
@@ -162,26 +170,7 @@ async def completions(req: CompletionRequest, request: Request, _: Auth):
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
                            None)
-    gen = _prepare(s, prompt_ids, sampling_from(req))
-    rid, created = "cmpl-" + gen.request_id.split("-", 1)[1], int(time.time())
-
-    def chunk(text, finish, usage=None) -> dict:
-        choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
-        out = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
-               "choices": choices}
-        if req.stream_options and req.stream_options.include_usage:
-            out["usage"] = usage
-        return out
-
-    if req.stream:
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(request, gen, chunk, include, first=None)
-    text = await _collect(request, gen)
-    if text is None:
-        return Response(status_code=499)
-    return {"id": rid, "object": "text_completion", "created": created, "model": s.model_name,
-            "choices": [{"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}],
-            "usage": gen.usage()}
+    return await _respond(request, req, _prepare(s, prompt_ids, sampling_from(req)), chat=False)
 
 
 @router.get("/v1/models", tags=["models"], response_model=ModelList)
