@@ -75,28 +75,25 @@ def _prefilled(engine: Engine, sp: SamplingParams):
     return seq
 
 
+def speculative_pvalue(engine: Engine, sp: SamplingParams, n: int = 20_000) -> float:
+    """Chi-square p-value of n speculative (t1, t2) draws against the exact joint, from one prefilled context."""
+    seq = _prefilled(engine, sp)
+    try:
+        joint = exact_joint(engine, seq, sp)  # first: sampling moves the sequence on from the prefilled context
+        return chi2_pvalue(sample_pairs(engine, seq, sp, n), joint)
+    finally:
+        engine.release(seq)
+
+
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0),
                                 SamplingParams(temperature=0.7, top_k=10, top_p=0.9)],
                          ids=["t1", "t0.7-k10-p0.9"])
 def test_speculative_sampling_matches_target(engine, sp):
-    seq = _prefilled(engine, sp)
-    try:
-        joint = exact_joint(engine, seq, sp)
-        counts = sample_pairs(engine, seq, sp, 20_000)
-    finally:
-        engine.release(seq)
-    assert chi2_pvalue(counts, joint) > 1e-3
+    assert speculative_pvalue(engine, sp) > 1e-3
 
 
 def test_negative_control_broken_rule_is_caught(engine, monkeypatch):
     """Sampling the bonus from the unmodified p after rejections (a classic bug) must be detected."""
     real = acceptance._normalise
     monkeypatch.setattr(acceptance, "_normalise", lambda p, fallback: fallback if p.sum() > 0 else real(p, fallback))
-    sp = SamplingParams(temperature=1.0)
-    seq = _prefilled(engine, sp)
-    try:
-        joint = exact_joint(engine, seq, sp)
-        counts = sample_pairs(engine, seq, sp, 20_000)
-    finally:
-        engine.release(seq)
-    assert chi2_pvalue(counts, joint) < 1e-6
+    assert speculative_pvalue(engine, SamplingParams(temperature=1.0)) < 1e-6
