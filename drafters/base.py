@@ -107,6 +107,10 @@ class TargetView(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...           # [N] -> [N, hidden]
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...      # [N, hidden] pre-norm -> [N, V] logits
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...  # [N, heads, D] rotated
+    @property
+    def embed_weight(self) -> torch.Tensor: ...    # [V, hidden] input embedding (frozen; do not modify)
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...  # [V, hidden] output projection (frozen; do not modify)
 
 
 class SequenceView(Protocol):
@@ -122,6 +126,8 @@ class SequenceView(Protocol):
     def cache_len(self) -> int: ...        # tokens whose target KV is cached (= len(tokens) - 1)
     def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # post-RoPE K, V [H_kv, cache_len, D]
     def target_hidden(self) -> torch.Tensor: ...  # last-layer hidden states of cached tokens [cache_len, hidden]
+    @property
+    def sampling(self) -> Any: ...         # server.engine.acceptance.SamplingParams of the request
 
 
 @runtime_checkable
@@ -140,6 +146,8 @@ class Drafter(Protocol):
 _REGISTRY: dict[str, str] = {
     "none": "drafters.none:NoneDrafter",
     "ngram": "drafters.ngram:NgramDrafter",
+    "glide": "drafters.glide.drafter:GlideDrafter",
+    "glide-cape": "drafters.glide.drafter:GlideCapeDrafter",
 }
 
 

@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, bench offline (training commands join as they land).
+"""`specserve` command line: serve, generate, bench offline/serve, train data/glide.
 
 Every command takes ``--config`` and the overrides ``--drafter`` / ``--dtype`` / ``--device``. Environment variables
 are read here, at the entry point, and nowhere below.
@@ -88,6 +88,30 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     return 0 if rep["errors"] == 0 else 1
 
 
+def cmd_train_glide(a: argparse.Namespace) -> int:
+    from drafters.train.glide import TrainOptions, run_train_glide
+
+    opts = TrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, loss=a.loss, block_len=a.block_len,
+                        max_len=a.max_len, seed=a.seed)
+    overrides = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                                             "intermediate_size") if getattr(a, k) is not None}
+    run_train_glide(_config(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
+                    vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
+                    limit=a.limit, log=lambda m: print(m, file=sys.stderr, flush=True), **overrides)
+    return 0
+
+
+def cmd_train_data(a: argparse.Namespace) -> int:
+    from drafters.train.glide import ensure_data
+    from server.engine.engine import load_target
+
+    cfg = _config(a)
+    path, items = ensure_data(cfg, load_target(cfg), a.data, a.max_new_tokens, a.gen_batch, a.limit,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible server with lossless "
                                 "speculative decoding")
@@ -134,6 +158,34 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-tokens", type=int, default=64)
     bs.add_argument("--json", default=None, metavar="OUT")
     bs.set_defaults(func=cmd_bench_serve)
+
+    t = sub.add_parser("train", help="train drafters for the configured target (self-distilled, offline)")
+    tsub = t.add_subparsers(dest="train", required=True)
+    td = tsub.add_parser("data", help="have the target answer the training prompts (cached, resumable)")
+    tg = tsub.add_parser("glide", help="train a GLIDE draft model (runs `train data` first when needed)")
+    for q in (td, tg):
+        _common(q)
+        q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
+        q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
+        q.add_argument("--gen-batch", type=int, default=32, help="prompts per batched generate call")
+        q.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
+    td.set_defaults(func=cmd_train_data)
+    tg.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
+                    "glide.safetensors, or vanilla.safetensors with --vanilla)")
+    tg.add_argument("--vanilla", action="store_true", help="train without cross-attention (the ablation)")
+    tg.add_argument("--steps", type=int, default=1200)
+    tg.add_argument("--batch-tokens", type=int, default=4096, help="answer tokens per optimizer step")
+    tg.add_argument("--lr", type=float, default=1e-3)
+    tg.add_argument("--loss", choices=["kl", "ce"], default="kl")
+    tg.add_argument("--block-len", type=int, default=5, help="block length of the cross-attention training mask")
+    tg.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
+    tg.add_argument("--vocab-subset", type=int, default=8192,
+                    help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")
+    tg.add_argument("--seed", type=int, default=0)
+    for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
+        tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
+                        help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
+    tg.set_defaults(func=cmd_train_glide)
     return p
 
 

@@ -99,6 +99,14 @@ class Target:
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.rope(x, positions)
 
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
 
 class SeqView:
     """Read-only view of a sequence for drafters (implements drafters.base.SequenceView)."""

@@ -1,0 +1,166 @@
+"""`glide` and `glide-cape`: the GLIDE draft model as a drafter, with CAPE proposal expansion for `glide-cape`.
+
+Per step: feed the tokens the drafter has not seen yet (the root, plus any accepted tokens it never processed) through
+the draft model, then draft ``gamma`` tokens one forward each. Every draft row reads the target's KV of the verified
+tokens only (``SequenceView.target_kv``: the first ``cache_len`` positions). Greedy requests get argmax chains of point
+masses; sampled requests draw each chain token from the drafter's distribution (shaped by the request's temperature,
+top-k and top-p) and hand that distribution to the engine, which keeps acceptance lossless. After verification the
+drafter's own KV cache is rolled back to the longest prefix of its inputs that the accepted text confirms.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from drafters.cape import PAPER_BINS, cape_tree, check_bins
+from drafters.glide.model import GlideCheckpointError, GlideModel, check_fits, default_checkpoint
+from server.engine.acceptance import target_probs
+
+
+@dataclass
+class _State:
+    k: torch.Tensor            # [num_layers, H_kv, S, D] the drafter's own cache
+    v: torch.Tensor
+    generator: torch.Generator  # draws sampled chain tokens (seeded from the request's seed when it has one)
+    inputs: list[int] = field(default_factory=list)  # tokens whose KV sits in the cache, by position
+
+
+def load_glide(target: TargetView, checkpoint: str | Path | None = None, name: str = "glide") -> GlideModel:
+    """The checkpoint for this target (default: drafters/checkpoints/<target id>/glide.safetensors), on its device."""
+    path = Path(checkpoint) if checkpoint else default_checkpoint(target.model_id, name)
+    if not path.is_file():
+        raise GlideCheckpointError(
+            f"no GLIDE checkpoint for target {target.model_id!r} at {path}; train one with "
+            f"`specserve train glide --config <your config>` (it writes {default_checkpoint(target.model_id, name)}) "
+            f"or set the drafter's `checkpoint` option")
+    model = GlideModel.load(path)
+    check_fits(model.c, target.args, target.model_id, path)
+    model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return model.attach(target.embed_weight, target.lm_head_weight)
+
+
+class GlideDrafter:
+    name = "glide"
+
+    def __init__(self, target: TargetView, checkpoint: str | None = None, gamma: int = 5, cape: bool = False,
+                 bins: list | tuple = PAPER_BINS, max_rows: int = 32):
+        if not 1 <= gamma <= 63:
+            raise ValueError("glide: gamma must be in [1, 63]")
+        if not 2 <= max_rows <= 64:
+            raise ValueError("glide: max_rows must be in [2, 64]")
+        self.target, self.gamma, self.cape, self.max_rows = target, gamma, cape, max_rows
+        self.bins = check_bins(bins)
+        self.max_expand = max(k for _, k in self.bins) if cape else 0
+        self.model = load_glide(target, checkpoint)
+        self.c = self.model.c
+        self.vocab_ids = self.model.vocab_ids.to(target.device)
+        self._states: dict[int, _State] = {}
+        # For the cost coefficient c = drafter forward time / target forward time (see `specserve bench offline`).
+        self.num_forwards = 0
+        self.forward_seconds = 0.0
+
+    # -- state ---------------------------------------------------------------------------------------------------
+    def _state(self, seq: SequenceView, need: int) -> _State:
+        st = self._states.get(seq.seq_id)
+        if st is None or st.k.shape[2] < need:
+            size = max(256, 1 << (need - 1).bit_length())
+            c = self.c
+            shape = (c.num_layers, c.num_kv_heads, size, c.head_dim)
+            k = torch.zeros(shape, dtype=self.target.dtype, device=self.target.device)
+            v = torch.zeros_like(k)
+            if st is not None:
+                n = len(st.inputs)
+                k[:, :, :n], v[:, :, :n] = st.k[:, :, :n], st.v[:, :, :n]
+                st.k, st.v = k, v
+            else:
+                gen = torch.Generator(device=self.target.device)
+                seed = seq.sampling.seed
+                gen.manual_seed(seed + 1 if seed is not None else int(torch.randint(2**62, ()).item()))
+                st = self._states[seq.seq_id] = _State(k, v, gen)
+        return st
+
+    def _forward(self, seq: SequenceView, st: _State, tokens: list[int], kv_only: bool = False) -> torch.Tensor:
+        """Run ``tokens`` at the next positions of the drafter's cache; returns hidden [T, hidden]."""
+        t0 = time.perf_counter()
+        n, T = len(st.inputs), len(tokens)
+        dev = self.target.device
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        positions = torch.arange(n, n + T, device=dev)
+        target_kv = [seq.target_kv(self.c.target_layer(m)) for m in range(self.c.num_layers)]
+        # A row at position p sees the verified target keys < p: every cached key once p >= cache_len.
+        visible = None if n >= seq.cache_len else (
+            torch.arange(seq.cache_len, device=dev)[None, :] < positions[:, None])
+        h = self.model(ids, positions, (st.k, st.v), n, target_kv, visible, kv_only=kv_only)
+        st.inputs.extend(tokens)
+        self.num_forwards += 1
+        self.forward_seconds += time.perf_counter() - t0
+        return h
+
+    # -- Drafter protocol ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq: SequenceView) -> None:
+        self._states.pop(seq.seq_id, None)
+        prompt = seq.tokens[:seq.prompt_len]
+        st = self._state(seq, len(prompt) + self.gamma + 2)
+        self._forward(seq, st, prompt, kv_only=True)
+
+    @torch.inference_mode()
+    def propose(self, seq: SequenceView) -> DraftTree:
+        tokens = seq.tokens
+        st = self._state(seq, len(tokens) + self.gamma + 1)
+        h = self._forward(seq, st, tokens[len(st.inputs):])[-1:]  # the root (and unseen accepted tokens)
+        greedy = seq.sampling.greedy
+        chain, alts, confs, qs = [], [], [], []
+        for i in range(self.gamma):
+            logits = self.model.logits(h).float()  # [1, V_kept]
+            probs = torch.softmax(logits, dim=-1)[0]
+            if greedy:
+                top = torch.topk(probs, 1 + self.max_expand)
+                tok_local = int(top.indices[0])
+                conf = float(top.values[0])
+                alt_local = top.indices[1:]
+            else:
+                q = target_probs(logits, seq.sampling)[0]  # the distribution the chain token is drawn from
+                tok_local = int(torch.multinomial(q, 1, generator=st.generator).item())
+                conf = float(q[tok_local])
+                alt_local = torch.topk(q, min(1 + self.max_expand, q.numel())).indices
+                alt_local = alt_local[alt_local != tok_local][:self.max_expand]
+                full = torch.zeros(self.c.vocab_size, dtype=torch.float32, device=q.device)
+                qs.append(full.index_copy_(0, self.vocab_ids, q))
+            chain.append(int(self.vocab_ids[tok_local]))
+            confs.append(conf)
+            alts.append(self.vocab_ids[alt_local].tolist() if self.cape else [])
+            if i + 1 < self.gamma:
+                h = self._forward(seq, st, [chain[-1]])
+        chain_q = torch.stack(qs) if qs else None
+        if not self.cape:
+            return DraftTree.chain(tokens[-1], chain, None if chain_q is None else
+                                   torch.cat([chain_q.new_zeros(1, chain_q.shape[1]), chain_q]))
+        return cape_tree(tokens[-1], chain, alts, confs, self.bins, self.max_rows, chain_q)
+
+    def observe(self, seq: SequenceView, result: VerifyResult) -> None:
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            return
+        tokens = seq.tokens
+        n = min(len(st.inputs), len(tokens) - 1)  # the last token (the next root) is always fed again
+        start = max(0, len(tokens) - len(result.tokens) - 1)  # everything before the verified step is confirmed
+        keep = start
+        while keep < n and st.inputs[keep] == tokens[keep]:
+            keep += 1
+        del st.inputs[keep:]  # the cache rows past ``keep`` are overwritten by the next forward
+
+    def release(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+
+class GlideCapeDrafter(GlideDrafter):
+    name = "glide-cape"
+
+    def __init__(self, target: TargetView, checkpoint: str | None = None, gamma: int = 5, cape: bool = True,
+                 bins: list | tuple = PAPER_BINS, max_rows: int = 32):
+        super().__init__(target, checkpoint, gamma, cape, bins, max_rows)

@@ -1,0 +1,283 @@
+"""GLIDE + CAPE: the draft model's cross-attention contract, CAPE tree shapes, losslessness with the shipped
+checkpoint, checkpoint errors, and a short real training run."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from drafters.base import create_drafter
+from drafters.cape import PAPER_BINS, cape_tree, check_bins, expansion_size
+from drafters.glide.drafter import GlideDrafter
+from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
+                                  default_checkpoint)
+from server.engine.engine import Engine, SamplingParams
+from server.tokenization import encode_chat, encode_text, stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def random_glide(target32, tmp_path_factory):
+    """An untrained GLIDE for the default target (random weights: for contracts, not for acceptance)."""
+    from drafters.train.glide import build_model
+
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(4096))
+    for p in model.parameters():  # away from the target-layer init so every path carries signal
+        p.data.add_(torch.randn_like(p) * 0.02)
+    path = tmp_path_factory.mktemp("glide") / "glide.safetensors"
+    model.save(path, {"note": "random"})
+    return path
+
+
+# -- the draft model --------------------------------------------------------------------------------------------
+def test_block_mask_is_the_papers():
+    for n, L, off in [(12, 5, 0), (17, 5, 3), (9, 1, 0), (6, 4, 2)]:
+        m = block_mask(n, n, L, off)
+        want = torch.tensor([[(j + off) // L > (k + off) // L for k in range(n)] for j in range(n)])
+        assert torch.equal(m, want)
+    m = block_mask(10, 10, 5)
+    assert not m[:5].any() and m[5:, :5].all() and not m[5:, 5:].any()
+
+
+def test_rope_follows_the_target_settings(tmp_path):
+    from conftest import write_tiny_llama
+    from server.engine.model import Llama, LlamaArgs
+
+    for scaling in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64}):
+        d = tmp_path / str(bool(scaling))
+        cfg = write_tiny_llama(d, hidden=32, heads=4, kv_heads=2, rope_scaling=scaling)
+        args = LlamaArgs.from_hf(cfg)
+        target = Llama(args, 256)
+        glide = GlideModel(GlideConfig.for_target(args, "tiny", hidden_size=32, num_heads=4, num_kv_heads=2,
+                                                  intermediate_size=64))
+        assert glide.c.rope_theta == 500.0 and glide.c.rope_scaling == args.rope_scaling
+        pos = torch.tensor([0, 3, 77, 200])
+        x = torch.randn(4, 4, args.head_dim)
+        assert torch.equal(glide.rope(x, pos), target.rope(x, pos))
+    other = dataclasses.replace(args, rope_theta=10000.0)  # a different theta gives different rotations
+    assert not torch.equal(glide.rope.cos, GlideModel(GlideConfig.for_target(
+        other, "tiny", hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)).rope.cos)
+
+
+def _tiny_glide(seed=0, **kw):
+    from server.engine.model import LlamaArgs
+
+    torch.manual_seed(seed)
+    args = LlamaArgs(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                     head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=True,
+                     max_position_embeddings=128, bos_token_id=0, eos_token_ids=(1,))
+    m = GlideModel(GlideConfig.for_target(args, "tiny", **kw))
+    emb = torch.randn(50, 32)
+    return m.attach(emb, emb), args
+
+
+def test_training_mask_hides_the_current_and_later_blocks():
+    m, args = _tiny_glide()
+    T = 15
+    ids = torch.randint(0, 50, (T,))
+    k, v = torch.randn(2, T, 8), torch.randn(2, T, 8)
+    vis = block_mask(T, T, 5)
+    base = m(ids, torch.arange(T), None, 0, [(k, v)], vis)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 5:10] += 3.0  # change target KV of block 1 only
+    v2[:, 5:10] -= 3.0
+    out = m(ids, torch.arange(T), None, 0, [(k2, v2)], vis)
+    assert torch.equal(out[:10], base[:10])  # blocks 0 and 1 never see block 1's keys
+    assert not torch.allclose(out[10:], base[10:])  # block 2 does
+
+
+def test_cross_attention_reads_only_visible_keys_and_reads_them():
+    m, _ = _tiny_glide()
+    T, n = 3, 6
+    ids = torch.randint(0, 50, (T,))
+    pos = torch.tensor([6, 7, 8])
+    k, v = torch.randn(2, n + 4, 8), torch.randn(2, n + 4, 8)
+    full = m(ids, pos, None, 0, [(k[:, :n], v[:, :n])], None)
+    # Extra (unverified) keys past n, hidden by the visibility mask, change nothing ...
+    masked = m(ids, pos, None, 0, [(k, v)], causal_visibility(pos, n + 4) & (torch.arange(n + 4) < n))
+    assert torch.allclose(full, masked, atol=1e-6)
+    # ... while a verified key does matter.
+    k3 = k.clone()
+    k3[:, 2] += 5.0
+    assert not torch.allclose(m(ids, pos, None, 0, [(k3[:, :n], v[:, :n])], None), full)
+    # The vanilla drafter has no cross-attention sub-layer at all.
+    van, _ = _tiny_glide(cross_attention=False)
+    assert not any("cq" in name for name, _ in van.named_parameters())
+
+
+def test_drafter_ignores_unverified_target_cache(fp32_config, target32, random_glide):
+    """Garbage in the target's KV slot past cache_len (draft rows of a previous tree) cannot reach the drafter."""
+    trees = []
+    for garbage in (False, True):
+        drafter = GlideDrafter(target32, checkpoint=str(random_glide), gamma=4)
+        engine = Engine(fp32_config, drafter, target32)
+        seq = engine.add(list(range(20, 60)), max_new_tokens=8)
+        engine.prefill(seq)
+        if garbage:
+            engine.pool.k[:, seq.slot, :, seq.cache_len:] = 7.0
+            engine.pool.v[:, seq.slot, :, seq.cache_len:] = -7.0
+        trees.append(drafter.propose(engine.view(seq)).tokens)
+        engine.release(seq)
+    assert trees[0] == trees[1]
+
+
+# -- CAPE -------------------------------------------------------------------------------------------------------
+def test_cape_expansion_sizes_follow_the_bins():
+    assert [expansion_size(p) for p in (0.05, 0.3, 0.31, 0.6, 0.7, 0.8, 0.81, 1.0)] == [7, 7, 5, 5, 3, 3, 1, 1]
+    bins = check_bins([[0.5, 2], [1.0, 0]])
+    assert expansion_size(0.4, bins) == 2 and expansion_size(0.9, bins) == 0
+    with pytest.raises(ValueError):
+        check_bins([[0.6, 1], [0.5, 2]])
+    with pytest.raises(ValueError):
+        check_bins([[0.5, 1]])
+
+
+def test_cape_tree_shape():
+    chain = [10, 11, 12, 13]
+    alts = [[100 + 10 * i + j for j in range(8)] for i in range(4)]
+    conf = [0.9, 0.5, 0.2, 0.7]  # sizes 1, 5, 7, 3
+    tree = cape_tree(1, chain, alts, conf, PAPER_BINS, max_rows=64)
+    tree.validate(1000)
+    assert tree.tokens[:5] == [1, *chain] and tree.parents[:5] == [-1, 0, 1, 2, 3]
+    assert tree.num_rows == 1 + 4 + 1 + 5 + 7 + 3
+    exp = list(zip(tree.tokens[5:], tree.parents[5:]))
+    assert exp == ([(100, 0)] + [(110 + j, 1) for j in range(5)] + [(120 + j, 2) for j in range(7)]
+                   + [(130 + j, 3) for j in range(3)])
+    # Expansion tokens never get children: they are leaves.
+    assert all(not tree.children()[r] for r in range(5, tree.num_rows))
+    # The cap keeps the chain and the shallow expansions first.
+    capped = cape_tree(1, chain, alts, conf, PAPER_BINS, max_rows=10)
+    assert capped.num_rows == 10 and capped.tokens[:5] == [1, *chain]
+    assert capped.parents[5:] == [0, 1, 1, 1, 1]
+    assert cape_tree(1, chain, alts, conf, PAPER_BINS, max_rows=3).tokens == [1, 10, 11]
+    q = torch.rand(4, 1000)
+    tq = cape_tree(1, chain, alts, conf, PAPER_BINS, 64, chain_q=q).q
+    assert torch.equal(tq[1:5], q) and not tq[0].any() and not tq[5:].any()
+
+
+# -- losslessness with the shipped checkpoint -------------------------------------------------------------------
+PROMPTS = [("chat", "Write a Python function that checks whether a string is a palindrome."),
+           ("chat", "Explain why the sky is blue."),
+           ("text", "def add(a: int, b: int) -> int:\n    \"\"\"Return the sum of a and b.\"\"\"\n")]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [encode_chat(tokenizer, [{"role": "user", "content": p}]) if k == "chat" else encode_text(tokenizer, p)
+            for k, p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["glide", "glide-cape"])
+def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, tokenizer, prompt_ids, name):
+    assert default_checkpoint(target32.model_id).is_file(), "the trained checkpoint must ship in the repository"
+    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    plain = Engine(fp32_config, create_drafter("none", target32), target32)
+    spec = Engine(fp32_config, create_drafter(name, target32), target32)
+    steps = emitted = 0
+    for ids in prompt_ids:
+        want = plain.generate(ids, max_new_tokens=48, stop_token_ids=stops).token_ids
+        out = spec.generate(ids, max_new_tokens=48, stop_token_ids=stops)
+        assert out.token_ids == want
+        steps += out.stats.verify_steps
+        emitted += out.stats.step_tokens
+    assert emitted / steps > 1.5  # the trained drafter really drafts
+
+
+def test_sampled_glide_cape_hands_over_its_distributions(fp32_config, target32, prompt_ids):
+    drafter = create_drafter("glide-cape", target32)
+    engine = Engine(fp32_config, drafter, target32)
+    seq = engine.add(prompt_ids[0], SamplingParams(temperature=0.8, top_k=50, seed=1), max_new_tokens=16)
+    engine.prefill(seq)
+    tree = drafter.propose(engine.view(seq))
+    tree.validate(target32.args.vocab_size)
+    gamma = drafter.gamma
+    q = tree.q
+    assert torch.allclose(q[1:1 + gamma].sum(-1), torch.ones(gamma), atol=1e-5)
+    for r in range(1, 1 + gamma):  # each chain token was drawn from its row (top-k 50: at most 50 tokens)
+        assert q[r, tree.tokens[r]] > 0 and int((q[r] > 0).sum()) <= 50
+    assert not q[1 + gamma:].any()  # expansions are point masses
+    while seq.finish_reason is None:
+        engine.step(seq)
+    engine.release(seq)
+    assert seq.num_generated == 16
+
+
+def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, tmp_path):
+    with pytest.raises(GlideCheckpointError, match="specserve train glide"):
+        GlideDrafter(target32, checkpoint=str(tmp_path / "nope.safetensors"))
+    m = GlideModel.load(random_glide)
+    m.c.target_id = "some-other-model"
+    m.attach(target32.embed_weight, target32.lm_head_weight)
+    m.save(tmp_path / "other.safetensors")
+    with pytest.raises(GlideCheckpointError, match="trained for target 'some-other-model'.*specserve train glide"):
+        GlideDrafter(target32, checkpoint=str(tmp_path / "other.safetensors"))
+    m = GlideModel.load(random_glide)
+    m.c.target_id, m.c.target_num_layers = target32.model_id, 12
+    m.save(tmp_path / "shape.safetensors")
+    with pytest.raises(GlideCheckpointError, match="target shapes"):
+        GlideDrafter(target32, checkpoint=str(tmp_path / "shape.safetensors"))
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
+    from drafters.train.data import generate_responses
+    from drafters.train.glide import TrainOptions, build_model, evaluate, teacher_pass, train, vocab_by_frequency
+    from drafters.train.prompts import training_records
+
+    recs = training_records(humaneval=False)[::200][:4]
+    data = generate_responses(target32.hf_dir, target32.model_id, recs, tmp_path / "answers.pt", max_new_tokens=24,
+                              batch_size=4, dtype=torch.float32, progress=False)
+    items = data["items"]
+    assert len(items) == 4 and all(1 <= len(it["response_ids"]) <= 24 for it in items)
+    vocab = vocab_by_frequency(items, target32.args.vocab_size, 512, always=(2,))
+    assert 2 in vocab.tolist() and len(vocab) == 512
+    model = build_model(target32, vocab)
+    teacher = teacher_pass(target32, items, [model.c.target_layer(0)], 256, progress=False)
+    opts = TrainOptions(steps=6, batch_tokens=48, lr=3e-3, warmup=1, val_fraction=0.0, save_every=3)
+    head_t = model.head_weight.float().t().contiguous()
+    local = torch.full((target32.args.vocab_size,), -1, dtype=torch.long)
+    local[vocab] = torch.arange(len(vocab))
+    idx = list(range(len(teacher)))
+    before = evaluate(model, teacher, idx, opts, head_t, local)["loss"]
+    train(model, teacher, opts, tmp_path / "state.pt", progress=False, log=lambda m: None)
+    after = evaluate(model, teacher, idx, opts, head_t, local)["loss"]
+    assert after < before * 0.9, (before, after)
+    # Resuming a finished run is a no-op that keeps the weights.
+    w = model.layers[0].wqkv.detach().clone()
+    train(model, teacher, opts, tmp_path / "state.pt", progress=False, log=lambda m: None)
+    assert torch.equal(model.layers[0].wqkv, w)
+    # fp16 checkpoint: reloading gives the fp16-rounded model's outputs exactly, twice.
+    path = tmp_path / "g.safetensors"
+    model.save(path, {"steps": 6})
+    ids, pos = teacher.tokens[0], torch.arange(len(teacher.tokens[0]))
+    kv = teacher.kv[0].float()
+    vis = block_mask(len(ids), len(ids), 5)
+    outs = []
+    for _ in range(2):
+        m2 = GlideModel.load(path).attach(target32.embed_weight, target32.lm_head_weight)
+        outs.append(m2.logits(m2(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis)))
+    assert torch.equal(outs[0], outs[1])
+    ref = GlideModel.load(path)
+    ref.load_state_dict({k: v.half().float() if v.is_floating_point() else v for k, v in model.state_dict().items()},
+                        strict=False)
+    ref.attach(target32.embed_weight, target32.lm_head_weight)
+    assert torch.equal(ref.logits(ref(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis)), outs[0])
+    assert (path.with_suffix(".json")).read_text().strip().startswith("{")
+
+
+def test_training_prompts_hold_out_benchmarks():
+    import json
+    from pathlib import Path
+
+    from drafters.train.prompts import humaneval_records, training_records
+
+    train = training_records()
+    texts = {json.dumps(r.get("messages") or r.get("prompt")) for r in train}
+    held = humaneval_records("heldout")
+    assert held and not texts & {json.dumps(r.get("messages") or r.get("prompt")) for r in held}
+    bench = Path(__file__).resolve().parents[2] / "deploy" / "prompts" / "bench.jsonl"
+    for line in bench.read_text().splitlines():
+        r = json.loads(line)
+        assert json.dumps(r.get("messages") or r.get("prompt")) not in texts
