@@ -142,6 +142,24 @@ class GlideDrafter:
                                    torch.cat([chain_q.new_zeros(1, chain_q.shape[1]), chain_q]))
         return cape_tree(tokens[-1], chain, alts, confs, self.bins, self.max_rows, chain_q)
 
+    @torch.inference_mode()
+    def review(self, seq: SequenceView, draft: list[int]) -> torch.Tensor:
+        """Score a proposed continuation in ONE drafter forward (the cascade's vertical review).
+
+        Returns float32 probabilities [len(draft) + 1, V] over the full vocabulary (zero outside the kept rows):
+        row i is the drafter's next-token distribution after root + draft[:i] (shaped by the request's sampling
+        parameters when it samples). The rows enter the drafter's cache like drafted tokens; ``observe`` rolls back
+        what verification rejects.
+        """
+        tokens = seq.tokens
+        st = self._state(seq, len(tokens) + len(draft) + 1)
+        pending = tokens[len(st.inputs):]
+        h = self._forward(seq, st, pending + list(draft))[len(pending) - 1:]  # rows: root, draft...
+        logits = self.model.logits(h).float()
+        local = torch.softmax(logits, -1) if seq.sampling.greedy else target_probs(logits, seq.sampling)
+        full = torch.zeros(local.shape[0], self.c.vocab_size, dtype=torch.float32, device=local.device)
+        return full.index_copy_(1, self.vocab_ids, local)
+
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         st = self._states.get(seq.seq_id)
         if st is None:

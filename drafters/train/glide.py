@@ -42,6 +42,7 @@ class TrainOptions:
     val_fraction: float = 0.05
     save_every: int = 100
     seed: int = 0
+    autocast: bool = True          # bfloat16 autocast for the matmuls (AMX on CPU, tensor cores on GPU)
 
 
 # -- teacher pass -------------------------------------------------------------------------------------------------
@@ -209,9 +210,10 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
             batch.append(i)
             n_tok += len(data.tokens[i]) - 1 - data.answer_start[i]
         for i in batch:
-            loss, n, _ = sequence_loss(model, data, i, opts, head_t, local, offset=rng.randrange(opts.block_len))
+            with torch.autocast(model.norm.device.type, dtype=torch.bfloat16, enabled=opts.autocast):
+                loss, n, _ = sequence_loss(model, data, i, opts, head_t, local, offset=rng.randrange(opts.block_len))
             (loss / n_tok).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -275,7 +277,8 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
 
 def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_path: Path | None = None,
                     opts: TrainOptions | None = None, vocab_subset: int = 8192, max_new_tokens: int = 256,
-                    gen_batch: int = 32, limit: int | None = None, progress: bool = True, log=print,
+                    gen_batch: int = 32, limit: int | None = None, text_tokens: int = 0, progress: bool = True,
+                    log=print,
                     **model_overrides) -> Path:
     """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.model import default_checkpoint
@@ -289,20 +292,28 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     name = "vanilla" if vanilla else "glide"
     out = Path(out) if out else default_checkpoint(target.model_id, name)
     data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
-    stops = stop_token_ids(load_tokenizer(target.hf_dir), target.args.eos_token_ids)
+    tokenizer = load_tokenizer(target.hf_dir)
+    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
     vocab_ids = vocab_by_frequency(items, target.args.vocab_size, vocab_subset, stops)
     log(f"{len(items)} sequences, {sum(len(i['response_ids']) for i in items)} answer tokens; kept vocabulary "
         f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
+    text_items = []
+    if text_tokens:
+        from drafters.train.text import shipped_text_items
+        text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
+        log(f"+ {len(text_items)} sequences ({sum(len(i['response_ids']) + 1 for i in text_items)} tokens) of "
+            "shipped text for teacher forcing")
     model = build_model(target, vocab_ids, cross_attention=not vanilla, **model_overrides)
-    read = [] if vanilla else [model.c.target_layer(m) for m in range(model.c.num_layers)]
+    # The vanilla drafter ignores the K/V, but shares the teacher file (and so the data) with GLIDE.
+    read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
     wd = work_dir(cfg, target.model_id)
     wd.mkdir(parents=True, exist_ok=True)
-    tag = f"{len(items)}-{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
+    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
     teacher_file = wd / f"teacher-{tag}.pt"
     if teacher_file.exists():
         teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
     else:
-        teacher = teacher_pass(target, items, read, opts.max_len, progress=progress)
+        teacher = teacher_pass(target, items + text_items, read, opts.max_len, progress=progress)
         torch.save(teacher.__dict__, teacher_file)
     state_file = wd / f"{name}-train-state.pt"
     summary = train(model, teacher, opts, state_file, progress=progress, log=log)
@@ -312,7 +323,9 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
         "data": {"file": data_file.name, "sequences": len(items),
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
                  "prompts": "project chat prompts + HumanEval train split (drafters/train/prompts.py)",
-                 "answers": "the target's own greedy answers, max %d new tokens" % max_new_tokens},
+                 "answers": "the target's own greedy answers, max %d new tokens" % max_new_tokens,
+                 "shipped_text_sequences": len(text_items),
+                 "shipped_text_tokens": sum(len(i["response_ids"]) + 1 for i in text_items)},
         "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"}},
         "validation": summary["history"][-1] if summary["history"] else {},
     }
