@@ -125,3 +125,16 @@ def training_records(humaneval: bool = True) -> list[dict]:
     if humaneval:
         recs += [dict(r, source="humaneval") for r in humaneval_records("train")]
     return recs
+
+
+def main() -> None:
+    """``python -m drafters.train.prompts OUT.jsonl``: write the held-out HumanEval tasks as chat prompts."""
+    import sys
+
+    with open(sys.argv[1], "w") as f:
+        for r in humaneval_records("heldout")[::2]:  # the chat form of each held-out task
+            f.write(json.dumps({"messages": r["messages"]}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
