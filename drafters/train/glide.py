@@ -315,7 +315,9 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     else:
         teacher = teacher_pass(target, items + text_items, read, opts.max_len, progress=progress)
         torch.save(teacher.__dict__, teacher_file)
-    state_file = wd / f"{name}-train-state.pt"
+    # A resumable run is keyed by its data and recipe: a different run never resumes another's state.
+    recipe = f"{tag}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
+    state_file = wd / f"{name}-{recipe}-train-state.pt"
     summary = train(model, teacher, opts, state_file, progress=progress, log=log)
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
