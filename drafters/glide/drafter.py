@@ -27,6 +27,18 @@ class _State:
     v: torch.Tensor
     generator: torch.Generator  # draws sampled chain tokens (seeded from the request's seed when it has one)
     inputs: list[int] = field(default_factory=list)  # tokens whose KV sits in the cache, by position
+    confirmed: int = 0  # inputs[:confirmed] are known to equal the sequence's tokens
+
+
+def _sync(st: _State, tokens: list[int]) -> None:
+    """Roll the drafter's cache back to the longest prefix of its inputs the sequence confirms (never the last token,
+    the next root, which is always fed again)."""
+    n = min(len(st.inputs), len(tokens) - 1)
+    keep = min(st.confirmed, n)
+    while keep < n and st.inputs[keep] == tokens[keep]:
+        keep += 1
+    del st.inputs[keep:]  # the cache rows past ``keep`` are overwritten by the next forward
+    st.confirmed = keep
 
 
 def load_glide(target: TargetView, checkpoint: str | Path | None = None, name: str = "glide") -> GlideModel:
@@ -112,6 +124,7 @@ class GlideDrafter:
     def propose(self, seq: SequenceView) -> DraftTree:
         tokens = seq.tokens
         st = self._state(seq, len(tokens) + self.gamma + 1)
+        _sync(st, tokens)
         h = self._forward(seq, st, tokens[len(st.inputs):])[-1:]  # the root (and unseen accepted tokens)
         greedy = seq.sampling.greedy
         chain, alts, confs, qs = [], [], [], []
@@ -153,6 +166,7 @@ class GlideDrafter:
         """
         tokens = seq.tokens
         st = self._state(seq, len(tokens) + len(draft) + 1)
+        _sync(st, tokens)
         pending = tokens[len(st.inputs):]
         h = self._forward(seq, st, pending + list(draft))[len(pending) - 1:]  # rows: root, draft...
         logits = self.model.logits(h).float()
@@ -162,15 +176,8 @@ class GlideDrafter:
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         st = self._states.get(seq.seq_id)
-        if st is None:
-            return
-        tokens = seq.tokens
-        n = min(len(st.inputs), len(tokens) - 1)  # the last token (the next root) is always fed again
-        start = max(0, len(tokens) - len(result.tokens) - 1)  # everything before the verified step is confirmed
-        keep = start
-        while keep < n and st.inputs[keep] == tokens[keep]:
-            keep += 1
-        del st.inputs[keep:]  # the cache rows past ``keep`` are overwritten by the next forward
+        if st is not None:
+            _sync(st, seq.tokens)
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)

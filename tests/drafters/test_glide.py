@@ -182,7 +182,7 @@ def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, tokenizer,
         assert out.token_ids == want
         steps += out.stats.verify_steps
         emitted += out.stats.step_tokens
-    assert emitted / steps > 1.5  # the trained drafter really drafts
+    assert emitted / steps > 1.2  # the trained drafter really drafts (an untrained one stays near 1.0)
 
 
 def test_sampled_glide_cape_hands_over_its_distributions(fp32_config, target32, prompt_ids):
