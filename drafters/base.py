@@ -148,6 +148,8 @@ _REGISTRY: dict[str, str] = {
     "ngram": "drafters.ngram:NgramDrafter",
     "glide": "drafters.glide.drafter:GlideDrafter",
     "glide-cape": "drafters.glide.drafter:GlideCapeDrafter",
+    "maxgram": "drafters.cascade.maxgram:MaxGramDrafter",
+    "cascade": "drafters.cascade.drafter:CascadeDrafter",
 }
 
 

@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, bench offline/serve, train data/glide.
+"""`specserve` command line: serve, generate, bench offline/serve, train data/glide/bigram.
 
 Every command takes ``--config`` and the overrides ``--drafter`` / ``--dtype`` / ``--device``. Environment variables
 are read here, at the entry point, and nowhere below.
@@ -112,6 +112,14 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_bigram(a: argparse.Namespace) -> int:
+    from drafters.train.bigram import run_train_bigram
+
+    run_train_bigram(_config(a), out=a.out, data_path=a.data, max_new_tokens=a.max_new_tokens,
+                     gen_batch=a.gen_batch, limit=a.limit, log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description="OpenAI-compatible server with lossless "
                                 "speculative decoding")
@@ -163,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = t.add_subparsers(dest="train", required=True)
     td = tsub.add_parser("data", help="have the target answer the training prompts (cached, resumable)")
     tg = tsub.add_parser("glide", help="train a GLIDE draft model (runs `train data` first when needed)")
-    for q in (td, tg):
+    tb = tsub.add_parser("bigram", help="build the Max-Gram bigram table from the same data (runs `train data` "
+                         "first when needed)")
+    for q in (td, tg, tb):
         _common(q)
         q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
         q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
@@ -186,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
     tg.set_defaults(func=cmd_train_glide)
+    tb.add_argument("--out", default=None, help="table path (default: drafters/checkpoints/<target>/"
+                    "bigram.safetensors)")
+    tb.set_defaults(func=cmd_train_bigram)
     return p
 
 

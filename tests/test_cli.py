@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from server.cli import main
 
 
@@ -42,3 +44,26 @@ def test_bench_offline_json(tmp_path, capsys):
     assert by["ngram"]["lossless"] and by["ngram"]["outputs"] == by["none"]["outputs"]
     assert rep["baseline_hf"]["outputs"] == by["none"]["outputs"]  # fp32: token for token
     assert rep["baseline_hf"]["tokens_per_s"] > 0 and "speedup_vs_hf" in by["ngram"]
+    # standardized walltime improvement: no drafter model -> c = 0, SWI = tokens per target forward
+    assert "SWI" in printed and rep["target_forward_ms"] > 0
+    for r in by.values():
+        n_tokens = sum(len(o) for o in r["outputs"])
+        assert r["drafter_forwards"] == 0 and r["cost_coefficient"] == 0.0
+        assert r["swi"] == round(n_tokens / r["target_forwards"], 4)
+    assert by["none"]["swi"] == 1.0 and by["none"]["target_forwards"] == sum(len(o) for o in by["none"]["outputs"])
+
+
+def test_bench_offline_reports_drafter_forwards_and_cost(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "offline", "--dtype", "float32", "--drafter", "cascade,maxgram", "--prompts", str(prompts),
+                 "--max-tokens", "8", "--json", str(out)]) == 0
+    by = {r["drafter"]: r for r in json.loads(out.read_text())["results"]}
+    assert by["cascade"]["lossless"] and by["maxgram"]["lossless"] and by["maxgram"]["drafter_forwards"] == 0
+    r = by["cascade"]
+    # GLIDE's prompt prefill plus at least one review per verify step
+    assert r["drafter_forwards"] >= r["target_forwards"] and r["drafter_forward_ms"] > 0
+    assert 0 < r["cost_coefficient"] < 10
+    want = sum(len(o) for o in r["outputs"]) / (r["target_forwards"] + r["drafter_forwards"] * r["cost_coefficient"])
+    assert r["swi"] == pytest.approx(want, rel=1e-3)

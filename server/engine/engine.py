@@ -46,6 +46,8 @@ class SeqStats:
     step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
     accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] -> times a draft at that depth passed
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    draft_seconds: float = 0.0   # wall time in drafter.propose
+    verify_seconds: float = 0.0  # wall time in the target's verify forwards
 
     @property
     def mean_accepted_length(self) -> float:
@@ -248,13 +250,17 @@ class Engine:
         if seq.finish_reason is not None:
             return []
         view = self.view(seq)
+        t0 = time.perf_counter()
         tree = self.drafter.propose(view)
+        t1 = time.perf_counter()
         tree.validate(self.model.args.vocab_size)
         if tree.tokens[0] != seq.token_ids[-1]:
             raise RuntimeError(f"drafter {self.drafter.name!r} rooted its tree at {tree.tokens[0]}, "
                                f"not at the last accepted token {seq.token_ids[-1]}")
         tree = tree.truncate(min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len))
+        t2 = time.perf_counter()
         logits, hidden = self.verify(seq, tree)
+        t3 = time.perf_counter()
         if seq.sampling.greedy:
             rows, tokens = accept_greedy(tree, logits)
         else:
@@ -268,6 +274,8 @@ class Engine:
         s.accepted_tokens += result.num_accepted
         s.step_tokens += len(emitted)
         s.accept_lengths.append(len(emitted))
+        s.draft_seconds += t1 - t0
+        s.verify_seconds += t3 - t2
         if len(s.accepted_per_position) < result.num_accepted:
             s.accepted_per_position.extend([0] * (result.num_accepted - len(s.accepted_per_position)))
         for d in range(result.num_accepted):

@@ -1,0 +1,151 @@
+"""`cascade`: Cascade Speculative Drafting with two drafters, a neural reviewer (GLIDE) over Max-Gram.
+
+Vertical cascade: Max-Gram proposes ``k21`` tokens; the reviewer scores them all in ONE forward
+(``GlideDrafter.review``) and runs a speculative step of its own on them: a token passes when it is the reviewer's
+top token (greedy requests) or is accepted with probability min(1, l * q(x)) (sampled requests), and -- leniency
+l >= 1 -- also when the reviewer gives it probability above 1/l. The passed tokens plus the reviewer's own token at
+the first miss (or after the last token when all pass) are the reviewed draft. Review rounds repeat from the
+extended context until the reviewed draft holds ``k11`` tokens.
+
+Horizontal cascade: Max-Gram alone then extends the draft to ``k12`` tokens (later positions, which the target
+rejects more often, get the cheapest drafter). These are the paper's K matrix for two drafters,
+
+    K = [[k11, k12],   # the target's step: positions 1..k11 from the reviewed level, then up to k12 from Max-Gram
+         [k21]]        # the reviewer's step: tokens Max-Gram proposes per review
+
+Leniency only ever loosens the reviewer's step: the whole draft goes to the target as a chain of point masses
+(for greedy and sampled requests alike), and the target's verification keeps the output exactly its own.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from drafters.cascade.maxgram import MaxGram, load_bigram
+
+PAPER_K = ((5, 8), (10,))  # default K matrix: [[k11, k12], [k21]] (the paper has Max-Gram propose 10 per review)
+
+def rewind(reviewer: Any, seq: SequenceView) -> None:
+    """Drop the previous review round's rows from the reviewer's cache, so the next review starts at the root.
+
+    An empty verification result says nothing after the verified text is confirmed: GlideDrafter.observe then keeps
+    only the verified prefix of its cache.
+    """
+    reviewer.observe(seq, VerifyResult(accepted_rows=[0], tokens=[], num_draft=0))
+
+
+def check_k(k: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+    """[[k11, k12], [k21]] -> (k11, k12, k21), with 1 <= k11 <= k12 <= 63 and 1 <= k21 <= 63."""
+    try:
+        (k11, k12), (k21,) = k
+        k11, k12, k21 = int(k11), int(k12), int(k21)
+    except (TypeError, ValueError):
+        raise ValueError(f"cascade: k must be the K matrix [[k11, k12], [k21]], got {k!r}") from None
+    if not 1 <= k11 <= k12 <= 63 or not 1 <= k21 <= 63:
+        raise ValueError(f"cascade: need 1 <= k11 <= k12 <= 63 and 1 <= k21 <= 63, got k={k!r}")
+    return k11, k12, k21
+
+
+def review_step(proposal: list[int], probs: torch.Tensor, leniency: float = 1.0,
+                generator: torch.Generator | None = None) -> tuple[int, int]:
+    """The reviewer's speculative step on a point-mass proposal -> (tokens that pass, the reviewer's next token).
+
+    probs: [len(proposal) + 1, V], row i = the reviewer's distribution after proposal[:i]. Greedy (no generator):
+    proposal[i] passes when it is the row's argmax or its probability is above 1/leniency; the reviewer's token is
+    the argmax of the first row that fails (or of the last row). Sampled: proposal[i] passes with probability
+    min(1, leniency * p); at a miss the reviewer's token is drawn from the row without proposal[i] (the residual
+    of speculative sampling against a point mass), after the last row from the row itself.
+    """
+    n = len(proposal)
+    idx = torch.arange(n, device=probs.device)
+    p_prop = probs[idx, torch.tensor(proposal, dtype=torch.long, device=probs.device)].tolist()
+    if generator is None:
+        top = probs.argmax(-1).tolist()
+        for i, (x, p) in enumerate(zip(proposal, p_prop)):
+            if x != top[i] and p * leniency <= 1.0:
+                return i, top[i]
+        return n, top[n]
+    for i, (x, p) in enumerate(zip(proposal, p_prop)):
+        u = float(torch.rand((), generator=generator, device=generator.device))
+        if u >= min(1.0, leniency * p):
+            residual = probs[i].clone()
+            residual[x] = 0.0
+            if float(residual.sum()) <= 0.0:  # all the mass sat on x (rounding): nothing else to draw
+                return i, int(probs[i].argmax())
+            return i, int(torch.multinomial(residual, 1, generator=generator).item())
+    return n, int(torch.multinomial(probs[n], 1, generator=generator).item())
+
+
+def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, k12: int, k21: int,
+                  leniency: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+    """The draft (without the root) for one target step: reviewed rounds up to k11 tokens, Max-Gram up to k12.
+
+    ``reviewer`` needs ``review(seq, draft) -> probs [len(draft) + 1, V]`` and ``observe`` (GlideDrafter's).
+    """
+    tokens, prompt_len = seq.tokens, seq.prompt_len
+    reviewed: list[int] = []
+    rounds = 0
+    while len(reviewed) < k11:  # vertical cascade
+        proposal = maxgram.extend(tokens + reviewed, prompt_len, k21)
+        if rounds:
+            rewind(reviewer, seq)
+        probs = reviewer.review(seq, reviewed + proposal)[len(reviewed):]
+        n_pass, own = review_step(proposal, probs, leniency, generator)
+        reviewed += proposal[:n_pass] + [own]
+        rounds += 1
+    draft = reviewed[:k12]
+    return draft + maxgram.extend(tokens + draft, prompt_len, k12 - len(draft))  # horizontal cascade
+
+
+class CascadeDrafter:
+    name = "cascade"
+
+    def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = PAPER_K,
+                 leniency: float = 1.0, bigram: str | None = None, min_match: int = 1):
+        from drafters.glide.drafter import GlideDrafter
+
+        self.k11, self.k12, self.k21 = check_k(k)
+        if not leniency >= 1.0:
+            raise ValueError("cascade: leniency must be >= 1 (1 = the reviewer's plain speculative step)")
+        self.leniency = float(leniency)
+        self.target = target
+        self.maxgram = MaxGram(load_bigram(target, bigram), min_match)
+        self.reviewer = GlideDrafter(target, checkpoint=checkpoint, gamma=min(self.k21, 63))
+        self._generators: dict[int, torch.Generator] = {}
+
+    # The reviewer is the only model that runs: its counters are the drafter's (`specserve bench offline`).
+    @property
+    def num_forwards(self) -> int:
+        return self.reviewer.num_forwards
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.reviewer.forward_seconds
+
+    def _generator(self, seq: SequenceView) -> torch.Generator | None:
+        if seq.sampling.greedy:
+            return None
+        gen = self._generators.get(seq.seq_id)
+        if gen is None:
+            gen = self._generators[seq.seq_id] = torch.Generator(device=self.target.device)
+            seed = seq.sampling.seed
+            gen.manual_seed(seed + 2 if seed is not None else int(torch.randint(2**62, ()).item()))
+        return gen
+
+    def prefill(self, seq: SequenceView) -> None:
+        self._generators.pop(seq.seq_id, None)
+        self.reviewer.prefill(seq)
+
+    def propose(self, seq: SequenceView) -> DraftTree:
+        draft = cascade_draft(seq, self.maxgram, self.reviewer, self.k11, self.k12, self.k21, self.leniency,
+                              self._generator(seq))
+        return DraftTree.chain(seq.tokens[-1], draft)
+
+    def observe(self, seq: SequenceView, result: VerifyResult) -> None:
+        self.reviewer.observe(seq, result)
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+        self.reviewer.release(seq_id)
