@@ -97,7 +97,33 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                                              "intermediate_size") if getattr(a, k) is not None}
     run_train_glide(_config(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
-                    limit=a.limit, log=lambda m: print(m, file=sys.stderr, flush=True), **overrides)
+                    limit=a.limit, text_tokens=a.text_tokens, log=lambda m: print(m, file=sys.stderr, flush=True),
+                    **overrides)
+    return 0
+
+
+def cmd_train_eval_glide(a: argparse.Namespace) -> int:
+    from drafters.train.glide import measure_acceptance
+    from server.bench.offline import read_prompts
+    from server.engine.engine import load_target
+    from server.engine.weights import load_tokenizer
+    from server.tokenization import encode_record, stop_token_ids
+
+    cfg = _config(a)
+    target = load_target(cfg)
+    tok = load_tokenizer(target.hf_dir)
+    prompts = [encode_record(tok, r) for r in read_prompts(a.prompts)]
+    stops = stop_token_ids(tok, target.args.eos_token_ids)
+    rows = []
+    for ckpt in a.checkpoint:
+        for t in (float(x) for x in a.temperatures.split(",")):
+            r = measure_acceptance(cfg, ckpt, prompts, a.gamma, t, a.max_tokens, a.cape, target, stops)
+            rows.append({"checkpoint": ckpt, **r})
+            print(f"{ckpt}  T={t:g}  acceptance {r['acceptance_rate']:.3f}  mean accepted length "
+                  f"{r['mean_accepted_length']:.3f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 
@@ -191,11 +217,23 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
     tg.add_argument("--vocab-subset", type=int, default=8192,
                     help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")
+    tg.add_argument("--text-tokens", type=int, default=600_000,
+                    help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added for teacher forcing")
     tg.add_argument("--seed", type=int, default=0)
     for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
     tg.set_defaults(func=cmd_train_glide)
+    te = tsub.add_parser("eval-glide", help="acceptance of GLIDE checkpoints (chain or CAPE) on a prompt file")
+    _common(te)
+    te.add_argument("--checkpoint", action="append", required=True, help="checkpoint path (repeatable)")
+    te.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
+    te.add_argument("--gamma", type=int, default=5)
+    te.add_argument("--cape", action="store_true", help="expand proposals with CAPE (paper bins, 32 rows)")
+    te.add_argument("--temperatures", default="0,1", help="comma-separated; 0 = greedy")
+    te.add_argument("--max-tokens", type=int, default=128)
+    te.add_argument("--json", default=None, metavar="OUT")
+    te.set_defaults(func=cmd_train_eval_glide)
     tb.add_argument("--out", default=None, help="table path (default: drafters/checkpoints/<target>/"
                     "bigram.safetensors)")
     tb.set_defaults(func=cmd_train_bigram)
