@@ -25,7 +25,10 @@ import torch
 from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
 from drafters.cascade.maxgram import MaxGram, load_bigram
 
-PAPER_K = ((5, 8), (10,))  # default K matrix: [[k11, k12], [k21]] (the paper has Max-Gram propose 10 per review)
+# Default K matrix [[k11, k12], [k21]]: one review round per step (every round yields at least one token), Max-Gram
+# proposing 10 tokens per review as in the paper, drafts of 6 tokens.
+DEFAULT_K = ((1, 6), (10,))
+
 
 def rewind(reviewer: Any, seq: SequenceView) -> None:
     """Drop the previous review round's rows from the reviewer's cache, so the next review starts at the root.
@@ -102,7 +105,7 @@ def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, 
 class CascadeDrafter:
     name = "cascade"
 
-    def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = PAPER_K,
+    def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = DEFAULT_K,
                  leniency: float = 1.0, bigram: str | None = None, min_match: int = 1):
         from drafters.glide.drafter import GlideDrafter
 
