@@ -1,11 +1,11 @@
 """`cascade`: Cascade Speculative Drafting with two drafters, a neural reviewer (GLIDE) over Max-Gram.
 
 Vertical cascade: Max-Gram proposes ``k21`` tokens; the reviewer scores them all in ONE forward
-(``GlideDrafter.review``) and runs a speculative step of its own on them: a token passes when it is the reviewer's
-top token (greedy requests) or is accepted with probability min(1, l * q(x)) (sampled requests), and -- leniency
-l >= 1 -- also when the reviewer gives it probability above 1/l. The passed tokens plus the reviewer's own token at
-the first miss (or after the last token when all pass) are the reviewed draft. Review rounds repeat from the
-extended context until the reviewed draft holds ``k11`` tokens.
+(``GlideDrafter.review``) and runs a speculative step of its own on them. Greedy requests: a token passes when it is
+the reviewer's top token or -- leniency l >= 1 -- when the reviewer gives it probability above 1/l. Sampled requests:
+it passes with probability min(1, l * q(x)) (the paper's rule against a point mass). The passed tokens plus the
+reviewer's own token at the first miss (or after the last token when all pass) are the reviewed draft. Review
+rounds repeat from the extended context until the reviewed draft holds at least ``k11`` tokens.
 
 Horizontal cascade: Max-Gram alone then extends the draft to ``k12`` tokens (later positions, which the target
 rejects more often, get the cheapest drafter). These are the paper's K matrix for two drafters,
@@ -34,7 +34,8 @@ def rewind(reviewer: Any, seq: SequenceView) -> None:
     """Drop the previous review round's rows from the reviewer's cache, so the next review starts at the root.
 
     An empty verification result says nothing after the verified text is confirmed: GlideDrafter.observe then keeps
-    only the verified prefix of its cache.
+    only the verified prefix of its cache. (GlideDrafter.review also does this itself; the call keeps the cascade
+    correct for any reviewer with the same observe contract.)
     """
     reviewer.observe(seq, VerifyResult(accepted_rows=[0], tokens=[], num_draft=0))
 
