@@ -43,6 +43,14 @@ def hf_model32(target32):
     return AutoModelForCausalLM.from_pretrained(str(target32.hf_dir), dtype=torch.float32).eval()
 
 
+def encode_prompts(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]:
+    """("chat", text) -> one user message through the chat template; ("text", text) -> a raw completion prompt."""
+    from server.tokenization import encode_record
+
+    return [encode_record(tokenizer, {"messages": [{"role": "user", "content": t}]} if kind == "chat"
+                          else {"prompt": t}) for kind, t in prompts]
+
+
 def write_tiny_llama(path, vocab_size=16, hidden=32, layers=2, heads=4, kv_heads=2, rope_scaling=None, seed=0,
                      tie=True):
     """A random Llama saved by transformers itself (config.json + model.safetensors) into ``path``."""

@@ -24,6 +24,7 @@ import torch
 
 from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
 from drafters.cascade.maxgram import MaxGram, load_bigram
+from server.engine.acceptance import request_generator
 
 # Default K matrix [[k11, k12], [k21]]: one review round per step (every round yields at least one token), Max-Gram
 # proposing 10 tokens per review as in the paper, drafts of 6 tokens.
@@ -133,9 +134,7 @@ class CascadeDrafter:
             return None
         gen = self._generators.get(seq.seq_id)
         if gen is None:
-            gen = self._generators[seq.seq_id] = torch.Generator(device=self.target.device)
-            seed = seq.sampling.seed
-            gen.manual_seed(seed + 2 if seed is not None else int(torch.randint(2**62, ()).item()))
+            gen = self._generators[seq.seq_id] = request_generator(seq.sampling, self.target.device, offset=2)
         return gen
 
     def prefill(self, seq: SequenceView) -> None:

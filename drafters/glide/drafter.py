@@ -17,8 +17,9 @@ import torch
 
 from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
-from drafters.glide.model import GlideCheckpointError, GlideModel, check_fits, default_checkpoint
-from server.engine.acceptance import target_probs
+from drafters.glide.model import (GlideCheckpointError, GlideModel, causal_visibility, check_fits,
+                                  default_checkpoint)
+from server.engine.acceptance import request_generator, target_probs
 
 
 @dataclass
@@ -89,9 +90,7 @@ class GlideDrafter:
                 k[:, :, :n], v[:, :, :n] = st.k[:, :, :n], st.v[:, :, :n]
                 st.k, st.v = k, v
             else:
-                gen = torch.Generator(device=self.target.device)
-                seed = seq.sampling.seed
-                gen.manual_seed(seed + 1 if seed is not None else int(torch.randint(2**62, ()).item()))
+                gen = request_generator(seq.sampling, self.target.device, offset=1)
                 st = self._states[seq.seq_id] = _State(k, v, gen)
         return st
 
@@ -104,8 +103,7 @@ class GlideDrafter:
         positions = torch.arange(n, n + T, device=dev)
         target_kv = [seq.target_kv(self.c.target_layer(m)) for m in range(self.c.num_layers)]
         # A row at position p sees the verified target keys < p: every cached key once p >= cache_len.
-        visible = None if n >= seq.cache_len else (
-            torch.arange(seq.cache_len, device=dev)[None, :] < positions[:, None])
+        visible = None if n >= seq.cache_len else causal_visibility(positions, seq.cache_len)
         h = self.model(ids, positions, (st.k, st.v), n, target_kv, visible, kv_only=kv_only)
         st.inputs.extend(tokens)
         self.num_forwards += 1

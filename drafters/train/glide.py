@@ -158,6 +158,15 @@ def evaluate(model: GlideModel, data: TeacherData, idx: list[int], opts: TrainOp
             "agreement_by_delay": [round(float(x), 4) for x in (by_pos / cnt_pos.clamp(min=1))]}
 
 
+def loss_tables(model: GlideModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head_t [hidden, V_kept] for the target's logits over the kept vocabulary, local [V]: vocabulary id -> kept
+    row or -1), the constant inputs of ``sequence_loss`` and ``evaluate``."""
+    head_t = model.head_weight.float().t().contiguous()
+    local = torch.full((model.c.vocab_size,), -1, dtype=torch.long, device=model.vocab_ids.device)
+    local[model.vocab_ids] = torch.arange(len(model.vocab_ids), device=model.vocab_ids.device)
+    return head_t, local
+
+
 def lr_at(step: int, opts: TrainOptions) -> float:
     if step < opts.warmup:
         return opts.lr * (step + 1) / opts.warmup
@@ -173,9 +182,7 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
     rng.shuffle(order)
     n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
     val_idx, train_idx = order[:n_val], order[n_val:] or order
-    head_t = model.head_weight.float().t().contiguous()  # [hidden, V_kept]
-    local = torch.full((model.c.vocab_size,), -1, dtype=torch.long, device=model.vocab_ids.device)
-    local[model.vocab_ids] = torch.arange(len(model.vocab_ids), device=model.vocab_ids.device)
+    head_t, local = loss_tables(model)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -263,12 +270,13 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
 
     path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
     records = training_records()[:limit] if limit else training_records()
-    if not path.exists() or len(load_responses(path)["items"]) < len(records):
+    data = load_responses(path) if path.exists() else None
+    if data is None or len(data["items"]) < len(records):
         path.parent.mkdir(parents=True, exist_ok=True)
         log(f"generating target answers for {len(records)} prompts into {path}")
-        generate_responses(target.hf_dir, target.model_id, records, path, max_new_tokens=max_new_tokens,
-                           batch_size=batch_size, dtype=target.dtype, device=str(target.device), progress=progress)
-    data = load_responses(path)
+        data = generate_responses(target.hf_dir, target.model_id, records, path, max_new_tokens=max_new_tokens,
+                                  batch_size=batch_size, dtype=target.dtype, device=str(target.device),
+                                  progress=progress)
     if data["model_id"] != target.model_id:
         raise ValueError(f"{path} holds answers of {data['model_id']!r}, not of the target {target.model_id!r}")
     items = data["items"][:limit] if limit else data["items"]

@@ -68,6 +68,15 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], lis
         node = nxt
 
 
+def request_generator(sampling: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator:
+    """A generator for one request: seeded from its ``seed`` (+ ``offset``, so a drafter's draws differ from the
+    engine's) or at random when it has none."""
+    gen = torch.Generator(device=device)
+    seed = sampling.seed
+    gen.manual_seed(seed + offset if seed is not None else int(torch.randint(2**62, ()).item()))
+    return gen
+
+
 def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
                     ) -> tuple[list[int], list[int]]:
     """Lossless tree speculative sampling. probs: [T+1, V] shaped target distributions (see target_probs)."""

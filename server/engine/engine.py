@@ -19,7 +19,8 @@ import torch
 from drafters.base import MAX_TREE_ROWS, DraftTree, Drafter, VerifyResult, create_drafter
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
-from server.engine.acceptance import SamplingParams, accept_greedy, accept_sampling, target_probs
+from server.engine.acceptance import (SamplingParams, accept_greedy, accept_sampling, request_generator,
+                                      target_probs)
 from server.engine.backend import compact_kv, make_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError
 from server.engine.model import Llama, LlamaArgs
@@ -178,8 +179,7 @@ class Engine:
             raise RequestError("max_new_tokens must be >= 1")
         sampling = sampling or SamplingParams()
         slot = self.pool.allocate()
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(2**62, ()).item()))
+        gen = request_generator(sampling, self.device)
         return Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
                         prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
                         max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),

@@ -15,7 +15,8 @@ from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_
 from drafters.glide.model import default_checkpoint
 from drafters.train.bigram import count_bigrams
 from server.engine.engine import Engine, SamplingParams
-from server.tokenization import encode_chat, encode_text, stop_token_ids
+from conftest import encode_prompts
+from server.tokenization import stop_token_ids
 
 V = 2000
 COUNTING = np.arange(1, V + 1) % V  # bigram table: v -> v + 1
@@ -209,8 +210,7 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [encode_chat(tokenizer, [{"role": "user", "content": p}]) if kind == "chat" else encode_text(tokenizer, p)
-            for kind, p in PROMPTS]
+    return encode_prompts(tokenizer, PROMPTS)
 
 
 @pytest.fixture(scope="module")

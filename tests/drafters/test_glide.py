@@ -13,7 +13,8 @@ from drafters.glide.drafter import GlideDrafter
 from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
                                   default_checkpoint)
 from server.engine.engine import Engine, SamplingParams
-from server.tokenization import encode_chat, encode_text, stop_token_ids
+from conftest import encode_prompts
+from server.tokenization import stop_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,7 @@ PROMPTS = [("chat", "Write a Python function that checks whether a string is a p
 
 @pytest.fixture(scope="module")
 def prompt_ids(tokenizer):
-    return [encode_chat(tokenizer, [{"role": "user", "content": p}]) if k == "chat" else encode_text(tokenizer, p)
-            for k, p in PROMPTS]
+    return encode_prompts(tokenizer, PROMPTS)
 
 
 @pytest.mark.parametrize("name", ["glide", "glide-cape"])
@@ -223,7 +223,8 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 # -- training ---------------------------------------------------------------------------------------------------
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
     from drafters.train.data import generate_responses
-    from drafters.train.glide import TrainOptions, build_model, evaluate, teacher_pass, train, vocab_by_frequency
+    from drafters.train.glide import (TrainOptions, build_model, evaluate, loss_tables, teacher_pass, train,
+                                      vocab_by_frequency)
     from drafters.train.prompts import training_records
 
     recs = training_records(humaneval=False)[::200][:4]
@@ -236,9 +237,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     model = build_model(target32, vocab)
     teacher = teacher_pass(target32, items, [model.c.target_layer(0)], 256, progress=False)
     opts = TrainOptions(steps=6, batch_tokens=48, lr=3e-3, warmup=1, val_fraction=0.0, save_every=3)
-    head_t = model.head_weight.float().t().contiguous()
-    local = torch.full((target32.args.vocab_size,), -1, dtype=torch.long)
-    local[vocab] = torch.arange(len(vocab))
+    head_t, local = loss_tables(model)
     idx = list(range(len(teacher)))
     before = evaluate(model, teacher, idx, opts, head_t, local)["loss"]
     train(model, teacher, opts, tmp_path / "state.pt", progress=False, log=lambda m: None)

@@ -5,7 +5,8 @@ import pytest
 
 from drafters.base import create_drafter
 from server.engine.engine import Engine
-from server.tokenization import encode_chat, encode_text, stop_token_ids
+from conftest import encode_prompts
+from server.tokenization import stop_token_ids
 from tests.engine.tree_drafters import OracleTreeDrafter
 
 PROMPTS = [
@@ -18,8 +19,7 @@ MAX_NEW = 48
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [encode_chat(tokenizer, [{"role": "user", "content": p}]) if kind == "chat" else encode_text(tokenizer, p)
-            for kind, p in PROMPTS]
+    return encode_prompts(tokenizer, PROMPTS)
 
 
 @pytest.fixture(scope="module")
