@@ -15,7 +15,7 @@ from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_
 from drafters.glide.model import default_checkpoint
 from drafters.train.bigram import count_bigrams
 from server.engine.engine import Engine, SamplingParams
-from conftest import encode_prompts
+from tests.conftest import encode_prompts
 from server.tokenization import stop_token_ids
 
 V = 2000

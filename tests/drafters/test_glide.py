@@ -13,7 +13,7 @@ from drafters.glide.drafter import GlideDrafter
 from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
                                   default_checkpoint)
 from server.engine.engine import Engine, SamplingParams
-from conftest import encode_prompts
+from tests.conftest import encode_prompts
 from server.tokenization import stop_token_ids
 
 
@@ -42,7 +42,7 @@ def test_block_mask_is_the_papers():
 
 
 def test_rope_follows_the_target_settings(tmp_path):
-    from conftest import write_tiny_llama
+    from tests.conftest import write_tiny_llama
     from server.engine.model import Llama, LlamaArgs
 
     for scaling in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

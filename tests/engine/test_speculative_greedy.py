@@ -5,7 +5,7 @@ import pytest
 
 from drafters.base import create_drafter
 from server.engine.engine import Engine
-from conftest import encode_prompts
+from tests.conftest import encode_prompts
 from server.tokenization import stop_token_ids
 from tests.engine.tree_drafters import OracleTreeDrafter
 
