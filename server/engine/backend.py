@@ -7,17 +7,21 @@ eager PyTorch.
 CPU decode steps and draft rows ("decode form"). SDPA's CPU kernel is not row-invariant: a query row's low bits
 depend on how many rows share the call, on the key count and on the mask. In bfloat16 one last-bit difference is
 enough to flip a greedy token a few steps later: ngram speculation reproduced plain decoding on only 2 of 8 bench
-prompts. One query row per batch entry, over keys padded to a multiple of KEY_BLOCK with the padding masked, gives a
-row the same bits whatever else is in the call (measured: bitwise, cache lengths 5..1980, 1..64 rows). So a decode
-step makes that call, and verification in 16-bit dtypes puts the leading chain rows of a draft (row i sees exactly
-new rows 0..i, as a decode step at that position would) into the batch dimension. The bfloat16 linear layers are
-row-invariant too (see model.linear), so those rows reproduce plain decoding bit for bit and greedy speculation
-emits the same tokens as plain decoding. Padded keys also hit a faster SDPA path than odd key counts, so decode
-steps do not get slower. Float32 verification keeps one multi-row call: its differences are ~1e-7 and its matmuls
-are not row-invariant anyway. Trade-off: bfloat16 decoding is no longer bit-identical to transformers' (whose decode
-call has unpadded keys); float32 still is.
+prompts. Keys padded to a multiple of KEY_BLOCK with the padding masked, and 16-bit batched matmuls in which an
+output row's bits do not depend on how many rows share the call (``_rowwise_attention``: scores and outputs as bmm
+over the KV heads, softmax in float32), give a row the same bits whatever else is in the call (measured: bitwise,
+cache lengths 5..1980, 1..64 rows). So a decode step makes that call, and verification in 16-bit dtypes runs the
+leading chain rows of a draft (row i sees exactly new rows 0..i, as a decode step at that position would) through it
+together. The bfloat16 linear layers are row-invariant too (see model.linear), so those rows reproduce plain decoding
+bit for bit and greedy speculation emits the same tokens as plain decoding. An earlier version put each row in its
+own SDPA batch entry, which is row-invariant too but costs a decode row's attention per draft row. Float32 decode
+steps keep SDPA over the padded keys and float32 verification keeps one multi-row call: its differences are ~1e-7
+and its matmuls are not row-invariant anyway. Trade-off: bfloat16 decoding is no longer bit-identical to
+transformers' (whose decode call has unpadded keys); float32 still is.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +30,10 @@ from kernels.kv_compact import kv_compact, kv_compact_ref
 from kernels.tree_attention import tree_attention, tree_mask_to_bool
 
 KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a decode step and a draft row share shapes
-# At most this many chain rows in decode form: each costs one decode step's attention (SDPA shares nothing between
-# them): measured ~0 at 40 cached tokens and ~+1.5 ms at 700 for a 6-row verify (~25-35 ms), ~+20 ms for a 16-row
-# verify at 2k. Later rows, reached only when the first 16 drafts are all accepted, take the multi-row call.
-EXACT_MAX_ROWS = 16
+# At most this many leading chain rows in decode form (all of them: a tree has at most 64 rows). With the bmm form
+# (_rowwise_attention) a chain's rows cost about one decode row's attention together; with one SDPA call per row
+# they cost one each, and a 16-row verify at 300 cached tokens took 134 ms instead of 50 (2-core EPYC, bf16).
+EXACT_MAX_ROWS = 64
 
 
 def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None,
@@ -65,8 +69,9 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
         e = min(-(-(cache_len + i + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
         j = min(n_exact, e - cache_len)
         w = min(e, end)
-        mask = torch.full((j - i, 1, 1, e), float("-inf"), dtype=dtype, device=device)  # [rows, 1, 1, e]
-        mask[:, 0, 0, :w].masked_fill_(visible[i:j, :w], 0.0)
+        mdtype = torch.float32 if dtype != torch.float32 else dtype  # bmm-form rows add the mask to fp32 scores
+        mask = torch.full((j - i, e), float("-inf"), dtype=mdtype, device=device)  # [rows, e]
+        mask[:, :w].masked_fill_(visible[i:j, :w], 0.0)
         calls.append((i, j, e, mask, True))
         i = j
     if n_exact < T:  # the other rows (tree branches, long chains, float32): one multi-row call
@@ -76,17 +81,37 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
     return _attention(calls, T)
 
 
+def _rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Decode-form attention in 16-bit dtypes: q [n, H, D], k/v [H_kv, e, D], mask [n, e] additive fp32 -> [n, H, D].
+
+    Scores and outputs are batched matmuls over the KV heads (the query rows of a head group stacked), the softmax
+    runs in float32 (the eager Hugging Face recipe). On CPUs whose 16-bit GEMM computes an output row the same way
+    whatever the number of rows, a row's bits depend only on its own query, keys and mask, so a draft row equals
+    the decode step at its position. Per step this costs about one decode row's SDPA call in total, where one SDPA
+    call per row (the query rows as batch entries) cost a decode row's attention each: ~8x less for an 8-row chain.
+    """
+    n, H, D = q.shape
+    Hkv, e = k.shape[0], k.shape[1]
+    g = H // Hkv
+    qg = q.view(n, Hkv, g, D).permute(1, 0, 2, 3).reshape(Hkv, n * g, D)  # rows of one kv head together
+    s = torch.bmm(qg, k.transpose(1, 2)).float().mul_(1.0 / math.sqrt(D)).view(Hkv, n, g, e)
+    p = torch.softmax(s.add_(mask[None, :, None, :]), dim=-1).to(q.dtype).view(Hkv, n * g, e)
+    return torch.bmm(p, v).view(Hkv, n, g, D).permute(1, 0, 2, 3).reshape(n, H, D)
+
+
 def _attention(calls: list, T: int, causal: bool = False):
     def attention(q, k_cache, v_cache, cache_len_, tree_mask_):
         # q: [T, H, D]; k_cache, v_cache: [H_kv, S, D] -> [T, H, D]
         outs = []
         for i, j, e, mask, one_row in calls:
             rows = q if j - i == T else q[i:j]
+            if one_row and q.dtype != torch.float32:
+                outs.append(_rowwise_attention(rows, k_cache[:, :e], v_cache[:, :e], mask))
+                continue
             k, v = k_cache[None, :, :e], v_cache[None, :, :e]  # [1, H_kv, e, D]
-            if one_row:  # queries [rows, H, 1, D]; expanding the keys over the batch is a view, not a copy
-                if j - i > 1:
-                    k, v = k.expand(j - i, -1, -1, -1), v.expand(j - i, -1, -1, -1)
-                out = F.scaled_dot_product_attention(rows.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+            if one_row:  # float32 decode step: queries [1, H, 1, D], mask [1, 1, 1, e]
+                out = F.scaled_dot_product_attention(rows.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                                     enable_gqa=True)
                 outs.append(out.squeeze(2))
             else:
                 out = F.scaled_dot_product_attention(rows.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,

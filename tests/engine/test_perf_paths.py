@@ -68,7 +68,8 @@ CASES = [  # (cache_len, parents or None for causal rows, max_len)
     (40, list(range(-1, 5)), 256),  # an ngram chain
     (60, list(range(-1, 5)), 256),  # a chain whose rows pad to two different key counts
     (60, [-1, 0, 1, 1, 0, 4, 2, 3], 256),  # a tree: chain prefix 0-1-2, then branches
-    (10, list(range(-1, EXACT_MAX_ROWS + 7)), 256),  # a chain longer than the decode-form rows
+    (10, list(range(-1, EXACT_MAX_ROWS - 1)), 256),  # the longest chain: every row in decode form
+    (30, list(range(-1, 40)) + [3, 5, 40], 256),  # a long chain, then branch rows
     (90, list(range(-1, 7)), 100),  # padding clamped at the end of the slot
     (97, [-1], 100),
 ]
