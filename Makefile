@@ -37,8 +37,9 @@ serve: setup
 	$(VENV)/bin/specserve serve --config $(CONFIG)
 
 bench: setup
-	$(VENV)/bin/specserve bench offline --config $(CONFIG) --drafter none,ngram \
-		--prompts deploy/prompts/bench.jsonl --max-tokens 64 --baseline hf
+	$(VENV)/bin/specserve bench offline --config deploy/configs/compare.yaml \
+		--drafter ngram,glide,glide-cape,maxgram,cascade --prompts deploy/prompts/bench.jsonl --max-tokens 96 \
+		--repeats 3 --baseline hf
 
 clean:
 	rm -rf $(VENV) .pytest_cache
