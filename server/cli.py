@@ -95,8 +95,6 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                         max_len=a.max_len, seed=a.seed)
     overrides = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                              "intermediate_size") if getattr(a, k) is not None}
-    if a.target_state:
-        overrides["target_state"] = True
     run_train_glide(_config(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
                     limit=a.limit, text_tokens=a.text_tokens, log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -222,8 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--text-tokens", type=int, default=600_000,
                     help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added for teacher forcing")
     tg.add_argument("--seed", type=int, default=0)
-    tg.add_argument("--target-state", action="store_true",
-                    help="also feed the target's newest verified hidden state to the drafter's input (our extension)")
     for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")

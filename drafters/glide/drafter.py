@@ -18,7 +18,7 @@ import torch
 from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
 from drafters.glide.model import (GlideCheckpointError, GlideModel, causal_visibility, check_fits,
-                                  default_checkpoint, gather_states)
+                                  default_checkpoint)
 from server.engine.acceptance import request_generator, target_probs
 
 
@@ -104,10 +104,7 @@ class GlideDrafter:
         target_kv = [seq.target_kv(self.c.target_layer(m)) for m in range(self.c.num_layers)]
         # A row at position p sees the verified target keys < p: every cached key once p >= cache_len.
         visible = None if n >= seq.cache_len else causal_visibility(positions, seq.cache_len)
-        state = None
-        if self.c.target_state:  # the target's hidden state of the newest verified token each row sees
-            state = gather_states(seq.target_hidden(), positions.clamp(max=seq.cache_len) - 1)
-        h = self.model(ids, positions, (st.k, st.v), n, target_kv, visible, kv_only=kv_only, state=state)
+        h = self.model(ids, positions, (st.k, st.v), n, target_kv, visible, kv_only=kv_only)
         st.inputs.extend(tokens)
         self.num_forwards += 1
         self.forward_seconds += time.perf_counter() - t0

@@ -12,12 +12,6 @@ times cheaper on CPU and stays lossless because the target verifies every token.
 
 ``cross_attention=False`` gives the paper's "vanilla drafter" ablation: the same network without the cross sub-layer.
 
-``target_state=True`` (our extension, not in the paper) also adds the target's last-layer hidden state of the newest
-verified token that a row may see to the row's input: x = embed(token) + W_s norm(h_target[last visible key]). It is
-the same verified-only information the cross-attention reads, in full width instead of through the top layer's
-192-wide value projection, and it is what lets a one-layer drafter follow a small target closely (EAGLE feeds the
-target's features the same way). Training gives each query the state of the last key its block-wise mask shows.
-
 Visibility of target keys is a boolean mask [T, n_target]: at inference row i at position p sees target keys < min(p,
 cache_len) (only verified tokens are cached); in training the paper's block-wise mask (``block_mask``) simulates the
 KV delay. A row that sees no key gets a zero cross-attention output.
@@ -63,7 +57,6 @@ class GlideConfig:
     intermediate_size: int = 1536
     cross_attention: bool = True
     vocab_subset: int = 0      # LM head rows kept (0: the whole vocabulary)
-    target_state: bool = False  # add the target's newest visible last-layer hidden state to the input (see above)
     extra: dict = field(default_factory=dict)  # free-form notes (training recipe)
 
     @classmethod
@@ -111,18 +104,6 @@ def block_mask(n_query: int, n_key: int, block_len: int, offset: int = 0) -> tor
 def causal_visibility(positions: torch.Tensor, n_target: int) -> torch.Tensor:
     """Inference mask [T, n_target]: a row at position p sees the verified target keys k < p."""
     return torch.arange(n_target, device=positions.device)[None, :] < positions[:, None]
-
-
-def block_last_visible(n_query: int, block_len: int, offset: int = 0) -> torch.Tensor:
-    """[n_query] the last target key each query sees under ``block_mask`` (-1: none), for ``target_state``."""
-    bq = (torch.arange(n_query) + offset) // block_len
-    return (bq * block_len - 1 - offset).clamp(min=-1)
-
-
-def gather_states(states: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Rows of ``states`` [n, hidden] at indices ``last`` [T]; zero rows where last < 0 (nothing visible yet)."""
-    out = states[last.clamp(min=0)]
-    return out * (last >= 0).to(out.dtype)[:, None]
 
 
 class GlideLayer(nn.Module):
@@ -215,9 +196,6 @@ class GlideModel(nn.Module):
         if c.hidden_size != c.target_hidden:
             self.in_proj = nn.Parameter(torch.empty(c.hidden_size, c.target_hidden))
             self.out_proj = nn.Parameter(torch.empty(c.target_hidden, c.hidden_size))
-        if c.target_state:
-            self.state_norm = nn.Parameter(torch.ones(c.target_hidden))
-            self.state_proj = nn.Parameter(torch.empty(c.hidden_size, c.target_hidden))
         n_vocab = c.vocab_subset or c.vocab_size
         self.register_buffer("vocab_ids", torch.arange(n_vocab), persistent=True)
         self.rope = Rope(c.rope_args(), c.max_position_embeddings)
@@ -251,8 +229,6 @@ class GlideModel(nn.Module):
         top = target_model.layers[-1]
         with torch.no_grad():
             self.norm.copy_(target_model.norm)
-            if c.target_state:
-                self.state_norm.copy_(target_model.norm)
             for m, layer in enumerate(self.layers):
                 layer.attn_norm.copy_(top.attn_norm)
                 layer.wqkv.copy_(top.wqkv.weight)
@@ -269,26 +245,19 @@ class GlideModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, cache_len: int,
                 target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                visible: torch.Tensor | None, kv_only: bool = False,
-                state: torch.Tensor | None = None) -> torch.Tensor | None:
+                visible: torch.Tensor | None, kv_only: bool = False) -> torch.Tensor | None:
         """T new rows -> hidden states [T, target_hidden] (apply ``logits`` for the LM head).
 
         cache: the drafter's (k, v) [num_layers, H_kv, S, D] or None (training: the rows are the whole sequence);
         target_kv: per draft layer, the target's post-RoPE (K, V) [H_kv_t, n, D] of the layer it reads;
         visible: [T, n] bool (which target keys each row sees) or None for all;
-        kv_only: only fill the drafter's cache (prompt prefill): the last layer stops after writing its K/V;
-        state: [T, target_hidden] the target's raw last-layer hidden state each row sees (zero rows: none), used when
-        the config has ``target_state``.
+        kv_only: only fill the drafter's cache (prompt prefill): the last layer stops after writing its K/V.
         """
         if self.embed_weight is None:
             raise RuntimeError("GlideModel.attach(target embedding, LM head) must be called first")
         x = F.embedding(ids, self.embed_weight)
         if self.c.hidden_size != self.c.target_hidden:
             x = linear(x, self.in_proj)
-        if self.c.target_state:
-            if state is None:
-                raise ValueError("this GLIDE model reads the target's hidden state: pass `state`")
-            x = x + linear(rms_norm(state.to(x.dtype), self.state_norm, self.c.rms_norm_eps), self.state_proj)
         cos, sin = self.rope.table(positions, x.dtype)
         for m, layer in enumerate(self.layers):
             layer_cache = (cache[0][m], cache[1][m]) if cache is not None else None

@@ -16,14 +16,14 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafters.glide.model import GlideConfig, GlideModel, block_last_visible, block_mask, gather_states
+from drafters.glide.model import GlideConfig, GlideModel, block_mask
 from server.engine.model import rms_norm
 
 
@@ -54,8 +54,6 @@ class TeacherData:
     answer_start: list[int]         # first position whose next token is an answer token (prompt_len - 1)
     kv: list[torch.Tensor]          # per sequence [n_read, 2, H_kv, T, D] (bf16/fp16) or empty for vanilla
     hidden: list[torch.Tensor]      # per sequence [T - 1 - answer_start, hidden] final-normed target states
-    states: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, hidden] raw last-layer states
-    #                                                            (only for drafters with ``target_state``)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -63,9 +61,8 @@ class TeacherData:
 
 @torch.inference_mode()
 def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int, store_dtype=torch.bfloat16,
-                 progress: bool = True, states: bool = False) -> TeacherData:
-    """One target forward per sequence (prompt + answer, cut to ``max_len``); ``states`` also keeps the raw
-    last-layer hidden state of every position."""
+                 progress: bool = True) -> TeacherData:
+    """One target forward per sequence (prompt + answer, cut to ``max_len``)."""
     from server.engine.backend import make_attention
 
     model = target.model
@@ -89,8 +86,6 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
         out.kv.append(torch.stack([torch.stack([k[l, :, :T], v[l, :, :T]]) for l in read_layers])
                       .to("cpu", store_dtype).clone() if read_layers else torch.empty(0))
         out.hidden.append(normed.to("cpu", store_dtype).clone())
-        if states:
-            out.states.append(h.to("cpu", store_dtype).clone())
     return out
 
 
@@ -127,10 +122,7 @@ def sequence_loss(model: GlideModel, data: TeacherData, i: int, opts: TrainOptio
         kv = data.kv[i].to(dev, torch.float32)
         target_kv = [(kv[m, 0], kv[m, 1]) for m in range(c.num_layers)]
         visible = block_mask(T, T, opts.block_len, offset).to(dev)
-    state = None
-    if c.target_state:  # each query gets the state of the last target key its block-wise mask shows
-        state = gather_states(data.states[i].to(dev, torch.float32), block_last_visible(T, opts.block_len, offset).to(dev))
-    h = model(ids, positions, None, 0, target_kv, visible, state=state)[start:T - 1]  # [n, hidden]
+    h = model(ids, positions, None, 0, target_kv, visible)[start:T - 1]  # [n, hidden]
     logits = model.logits(h).float()                                    # [n, V_kept]
     with torch.no_grad():
         t_logits = data.hidden[i].to(dev, torch.float32) @ head_t                      # [n, V_kept]
@@ -325,13 +317,11 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     wd = work_dir(cfg, target.model_id)
     wd.mkdir(parents=True, exist_ok=True)
     tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
-    tag += "-states" if model.c.target_state else ""
     teacher_file = wd / f"teacher-{tag}.pt"
     if teacher_file.exists():
         teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
     else:
-        teacher = teacher_pass(target, items + text_items, read, opts.max_len, progress=progress,
-                               states=model.c.target_state)
+        teacher = teacher_pass(target, items + text_items, read, opts.max_len, progress=progress)
         torch.save(teacher.__dict__, teacher_file)
     # A resumable run is keyed by its data and recipe: a different run never resumes another's state.
     recipe = f"{tag}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"

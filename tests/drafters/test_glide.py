@@ -10,35 +10,25 @@ import torch
 from drafters.base import create_drafter
 from drafters.cape import PAPER_BINS, cape_tree, check_bins, expansion_size
 from drafters.glide.drafter import GlideDrafter
-from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_last_visible, block_mask,
-                                  causal_visibility, default_checkpoint, gather_states)
+from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
+                                  default_checkpoint)
 from server.engine.engine import Engine, SamplingParams
 from tests.conftest import encode_prompts
 from server.tokenization import stop_token_ids
 
 
-def _random_glide(target32, tmp_path_factory, **overrides):
+@pytest.fixture(scope="module")
+def random_glide(target32, tmp_path_factory):
+    """An untrained GLIDE for the default target (random weights: for contracts, not for acceptance)."""
     from drafters.train.glide import build_model
 
     torch.manual_seed(0)
-    model = build_model(target32, torch.arange(4096), **overrides)
+    model = build_model(target32, torch.arange(4096))
     for p in model.parameters():  # away from the target-layer init so every path carries signal
         p.data.add_(torch.randn_like(p) * 0.02)
     path = tmp_path_factory.mktemp("glide") / "glide.safetensors"
     model.save(path, {"note": "random"})
     return path
-
-
-@pytest.fixture(scope="module")
-def random_glide(target32, tmp_path_factory):
-    """An untrained GLIDE for the default target (random weights: for contracts, not for acceptance)."""
-    return _random_glide(target32, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def random_glide_state(target32, tmp_path_factory):
-    """The same with ``target_state`` (reads the target's newest verified hidden state too)."""
-    return _random_glide(target32, tmp_path_factory, target_state=True)
 
 
 # -- the draft model --------------------------------------------------------------------------------------------
@@ -118,41 +108,20 @@ def test_cross_attention_reads_only_visible_keys_and_reads_them():
     assert not any("cq" in name for name, _ in van.named_parameters())
 
 
-@pytest.mark.parametrize("state", [False, True])
-def test_drafter_ignores_unverified_target_cache(fp32_config, target32, random_glide, random_glide_state, state):
-    """Garbage in the target's KV and hidden-state slots past cache_len (draft rows of a previous tree) cannot reach
-    the drafter; the newest verified hidden state does (``target_state``)."""
+def test_drafter_ignores_unverified_target_cache(fp32_config, target32, random_glide):
+    """Garbage in the target's KV slot past cache_len (draft rows of a previous tree) cannot reach the drafter."""
     trees = []
-    for garbage in (False, True, "verified"):
-        drafter = GlideDrafter(target32, checkpoint=str(random_glide_state if state else random_glide), gamma=4)
+    for garbage in (False, True):
+        drafter = GlideDrafter(target32, checkpoint=str(random_glide), gamma=4)
         engine = Engine(fp32_config, drafter, target32)
         seq = engine.add(list(range(20, 60)), max_new_tokens=8)
         engine.prefill(seq)
-        if garbage is True:
+        if garbage:
             engine.pool.k[:, seq.slot, :, seq.cache_len:] = 7.0
             engine.pool.v[:, seq.slot, :, seq.cache_len:] = -7.0
-            engine.pool.hidden[seq.slot, seq.cache_len:] = 7.0
-        elif garbage == "verified":
-            engine.pool.hidden[seq.slot, seq.cache_len - 1] *= -3.0
         trees.append(drafter.propose(engine.view(seq)).tokens)
         engine.release(seq)
     assert trees[0] == trees[1]
-    assert (trees[2] != trees[0]) == state
-
-
-def test_target_state_follows_the_block_mask():
-    """In training each query gets the state of the last key its block-wise mask shows (none in block 0)."""
-    for n, L, off in [(12, 5, 0), (17, 5, 3), (9, 1, 0)]:
-        m = block_mask(n, n, L, off)
-        want = torch.tensor([int(row.nonzero().max()) if row.any() else -1 for row in m])
-        assert torch.equal(block_last_visible(n, L, off), want)
-    states = torch.arange(1.0, 13.0)[:, None].repeat(1, 3)
-    got = gather_states(states, block_last_visible(12, 5))
-    assert not got[:5].any() and (got[5:10] == 5.0).all() and (got[10:] == 10.0).all()
-    m, _ = _tiny_glide(target_state=True)
-    ids = torch.randint(0, 50, (4,))
-    with pytest.raises(ValueError, match="state"):
-        m(ids, torch.arange(4), None, 0, None, None)
 
 
 # -- CAPE -------------------------------------------------------------------------------------------------------
@@ -252,8 +221,7 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 
 
 # -- training ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("target_state", [False, True])
-def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path, target_state):
+def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
     from drafters.train.data import generate_responses
     from drafters.train.glide import (TrainOptions, build_model, evaluate, loss_tables, teacher_pass, train,
                                       vocab_by_frequency)
@@ -266,8 +234,8 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     assert len(items) == 4 and all(1 <= len(it["response_ids"]) <= 24 for it in items)
     vocab = vocab_by_frequency(items, target32.args.vocab_size, 512, always=(2,))
     assert 2 in vocab.tolist() and len(vocab) == 512
-    model = build_model(target32, vocab, target_state=target_state)
-    teacher = teacher_pass(target32, items, [model.c.target_layer(0)], 256, progress=False, states=target_state)
+    model = build_model(target32, vocab)
+    teacher = teacher_pass(target32, items, [model.c.target_layer(0)], 256, progress=False)
     opts = TrainOptions(steps=6, batch_tokens=48, lr=3e-3, warmup=1, val_fraction=0.0, save_every=3)
     head_t, local = loss_tables(model)
     idx = list(range(len(teacher)))
@@ -285,18 +253,16 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     ids, pos = teacher.tokens[0], torch.arange(len(teacher.tokens[0]))
     kv = teacher.kv[0].float()
     vis = block_mask(len(ids), len(ids), 5)
-    st = gather_states(teacher.states[0].float(), block_last_visible(len(ids), 5)) if target_state else None
     outs = []
     for _ in range(2):
         m2 = GlideModel.load(path).attach(target32.embed_weight, target32.lm_head_weight)
-        assert m2.c.target_state == target_state
-        outs.append(m2.logits(m2(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis, state=st)))
+        outs.append(m2.logits(m2(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis)))
     assert torch.equal(outs[0], outs[1])
     ref = GlideModel.load(path)
     ref.load_state_dict({k: v.half().float() if v.is_floating_point() else v for k, v in model.state_dict().items()},
                         strict=False)
     ref.attach(target32.embed_weight, target32.lm_head_weight)
-    assert torch.equal(ref.logits(ref(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis, state=st)), outs[0])
+    assert torch.equal(ref.logits(ref(ids, pos, None, 0, [(kv[0, 0], kv[0, 1])], vis)), outs[0])
     assert (path.with_suffix(".json")).read_text().strip().startswith("{")
 
 
