@@ -13,8 +13,13 @@ rejects more often, get the cheapest drafter). These are the paper's K matrix fo
     K = [[k11, k12],   # the target's step: positions 1..k11 from the reviewed level, then up to k12 from Max-Gram
          [k21]]        # the reviewer's step: tokens Max-Gram proposes per review
 
-Leniency only ever loosens the reviewer's step: the whole draft goes to the target as a chain of point masses
-(for greedy and sampled requests alike), and the target's verification keeps the output exactly its own.
+Branch (option ``branch``, on by default): where the reviewer rejects Max-Gram's token, Max-Gram's own continuation from that
+position stays in the draft as a sibling branch of the reviewed tokens, so the target verifies both: a tree. On text
+the prompt already holds (code edits, quoting) Max-Gram's copies are often right where a small reviewer disagrees;
+on open chat the reviewed chain carries the step.
+
+Leniency only ever loosens the reviewer's step: the whole draft goes to the target as point masses (for greedy and
+sampled requests alike), and the target's verification keeps the output exactly its own.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from drafters.base import MAX_TREE_ROWS, DraftTree, SequenceView, TargetView, VerifyResult
 from drafters.cascade.maxgram import MaxGram, load_bigram
 from server.engine.acceptance import request_generator
 
@@ -84,10 +89,13 @@ def review_step(proposal: list[int], probs: torch.Tensor, leniency: float = 1.0,
 
 
 def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, k12: int, k21: int,
-                  leniency: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+                  leniency: float = 1.0, generator: torch.Generator | None = None,
+                  branches: list[tuple[int, list[int]]] | None = None) -> list[int]:
     """The draft (without the root) for one target step: reviewed rounds up to k11 tokens, Max-Gram up to k12.
 
     ``reviewer`` needs ``review(seq, draft) -> probs [len(draft) + 1, V]`` and ``observe`` (GlideDrafter's).
+    ``branches``: when given, every round whose review rejects a Max-Gram token appends (depth, tokens) to it: the
+    tokens Max-Gram proposed from that position on, whose first one would sit at draft index ``depth``.
     """
     tokens, prompt_len = seq.tokens, seq.prompt_len
     reviewed: list[int] = []
@@ -98,23 +106,40 @@ def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, 
             rewind(reviewer, seq)
         probs = reviewer.review(seq, reviewed + proposal)[len(reviewed):]
         n_pass, own = review_step(proposal, probs, leniency, generator)
+        if branches is not None and n_pass < len(proposal):
+            branches.append((len(reviewed) + n_pass, proposal[n_pass:]))
         reviewed += proposal[:n_pass] + [own]
         rounds += 1
     draft = reviewed[:k12]
     return draft + maxgram.extend(tokens + draft, prompt_len, k12 - len(draft))  # horizontal cascade
 
 
+def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int]]], max_depth: int) -> DraftTree:
+    """The draft chain (rows 1..len(draft), first so it verifies in decode form) plus each branch as a chain hanging
+    off the chain row before its depth, cut to ``max_depth`` tokens from the root and to the tree's row limit."""
+    tokens, parents = [root, *draft], list(range(-1, len(draft)))
+    for depth, branch in branches:
+        # the chain row at ``depth`` (draft index depth - 1) is the branch's parent; same token there: nothing new
+        branch = branch[:max(0, min(max_depth - depth, MAX_TREE_ROWS - len(tokens)))]
+        if not branch or depth > len(draft) or (depth < len(draft) and branch[0] == draft[depth]):
+            continue
+        parents += [depth] + list(range(len(tokens), len(tokens) + len(branch) - 1))
+        tokens += branch
+    return DraftTree(tokens, parents)
+
+
 class CascadeDrafter:
     name = "cascade"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = DEFAULT_K,
-                 leniency: float = 1.0, bigram: str | None = None, min_match: int = 1):
+                 leniency: float = 1.0, bigram: str | None = None, min_match: int = 1, branch: bool = True):
         from drafters.glide.drafter import GlideDrafter
 
         self.k11, self.k12, self.k21 = check_k(k)
         if not leniency >= 1.0:
             raise ValueError("cascade: leniency must be >= 1 (1 = the reviewer's plain speculative step)")
         self.leniency = float(leniency)
+        self.branch = bool(branch)
         self.target = target
         self.maxgram = MaxGram(load_bigram(target, bigram), min_match)
         self.reviewer = GlideDrafter(target, checkpoint=checkpoint, gamma=min(self.k21, 63))
@@ -142,9 +167,12 @@ class CascadeDrafter:
         self.reviewer.prefill(seq)
 
     def propose(self, seq: SequenceView) -> DraftTree:
+        branches: list[tuple[int, list[int]]] | None = [] if self.branch else None
         draft = cascade_draft(seq, self.maxgram, self.reviewer, self.k11, self.k12, self.k21, self.leniency,
-                              self._generator(seq))
-        return DraftTree.chain(seq.tokens[-1], draft)
+                              self._generator(seq), branches)
+        if not branches:
+            return DraftTree.chain(seq.tokens[-1], draft)
+        return cascade_tree(seq.tokens[-1], draft, branches, self.k12)
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         self.reviewer.observe(seq, result)

@@ -12,7 +12,10 @@ output row's bits do not depend on how many rows share the call (``_rowwise_atte
 over the KV heads, softmax in float32), give a row the same bits whatever else is in the call (measured: bitwise,
 cache lengths 5..1980, 1..64 rows). So a decode step makes that call, and verification in 16-bit dtypes runs the
 leading chain rows of a draft (row i sees exactly new rows 0..i, as a decode step at that position would) through it
-together. The bfloat16 linear layers are row-invariant too (see model.linear), so those rows reproduce plain decoding
+together. A tree branch row's ancestors sit at other cache rows than a decode step would read them; gathered back
+into decode-step order (cached keys, then its ancestors, then itself) they give that row the decode step's bits too,
+for trees with up to EXACT_MAX_BRANCHES leaves past the leading chain (a cascade's Max-Gram branch). The bfloat16
+linear layers are row-invariant too (see model.linear), so those rows reproduce plain decoding
 bit for bit and greedy speculation emits the same tokens as plain decoding. An earlier version put each row in its
 own SDPA batch entry, which is row-invariant too but costs a decode row's attention per draft row. Float32 decode
 steps keep SDPA over the padded keys and float32 verification keeps one multi-row call: its differences are ~1e-7
@@ -34,6 +37,11 @@ KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a dec
 # (_rowwise_attention) a chain's rows cost about one decode row's attention together; with one SDPA call per row
 # they cost one each, and a 16-row verify at 300 cached tokens took 134 ms instead of 50 (2-core EPYC, bf16).
 EXACT_MAX_ROWS = 64
+# Tree branches in decode form while a tree has at most this many leaves past its leading chain (a cascade's Max-Gram
+# branch: one per review round). Each leaf costs a key gather and a call per layer: glide-cape's trees (up to 7 one-token
+# leaves) verified that way ran 0.92x plain decoding instead of 1.14x-1.23x, so bigger trees put their branch rows in
+# one multi-row call (close, not bitwise, in 16-bit dtypes).
+EXACT_MAX_BRANCHES = 2
 
 
 def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None,
@@ -48,10 +56,10 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
 
     T, end = num_rows, cache_len + num_rows
     if cache_len == 0 and tree_mask is None:  # prefill: the prompt's rows are causal
-        return _attention([(0, T, end, None, False)], T, causal=True)
+        return _attention([(slice(0, T), end, None, False)], T, causal=True)
     if max_len is None:
         mask = None if T == 1 else tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
-        return _attention([(0, T, end, mask, False)], T)
+        return _attention([(slice(0, T), end, mask, False)], T)
 
     visible = torch.ones(1, end, dtype=torch.bool, device=device) if T == 1 else \
         tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
@@ -63,22 +71,62 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
         chain = visible[:, cache_len:] == torch.ones(T, T, dtype=torch.bool, device=device).tril()  # [T, T]
         n_exact = min(int(chain.all(dim=1).cumprod(0).sum()), EXACT_MAX_ROWS)
 
-    calls = []  # (first row, end row, keys, additive mask, one query row per batch entry)
-    i = 0
-    while i < n_exact:  # rows i..j-1 pad to the same key count e (at most 2 groups while T <= KEY_BLOCK)
-        e = min(-(-(cache_len + i + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
-        j = min(n_exact, e - cache_len)
-        w = min(e, end)
-        mdtype = torch.float32 if dtype != torch.float32 else dtype  # bmm-form rows add the mask to fp32 scores
-        mask = torch.full((j - i, e), float("-inf"), dtype=mdtype, device=device)  # [rows, e]
-        mask[:, :w].masked_fill_(visible[i:j, :w], 0.0)
-        calls.append((i, j, e, mask, True))
-        i = j
-    if n_exact < T:  # the other rows (tree branches, long chains, float32): one multi-row call
+    calls = []  # (rows: slice or index tensor, keys: count or index tensor, additive mask, decode form)
+    if n_exact:  # the leading chain: rows 0..n_exact-1 read the keys in place
+        _decode_form_calls(calls, list(range(n_exact)), list(range(n_exact)), cache_len, max_len, dtype, device)
+    paths = _branch_paths(visible[:, cache_len:], n_exact) if n_exact and dtype != torch.float32 else None
+    for rows, path in paths or ():  # tree branches: each row reads its ancestors as a decode step would
+        _decode_form_calls(calls, rows, path, cache_len, max_len, dtype, device)
+    if n_exact < T and paths is None:  # the other rows (big trees, float32): one multi-row call
         mask = torch.zeros(T - n_exact, end, dtype=dtype, device=device).masked_fill_(
             ~visible[n_exact:], float("-inf"))  # [rows, end]
-        calls.append((n_exact, T, end, mask, False))
+        calls.append((slice(n_exact, T), end, mask, False))
     return _attention(calls, T)
+
+
+def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[int], list[int]]] | None:
+    """Rows n_exact.. of a tree grouped by root-to-leaf path -> [(rows, path)], or None past EXACT_MAX_BRANCHES.
+
+    new_visible [T, T]: row i sees new row j. A path lists a leaf's ancestors (itself included) by row; its rows are
+    the ones no earlier path took.
+    """
+    T = new_visible.shape[0]
+    if n_exact >= T:
+        return []
+    is_leaf = new_visible[n_exact:].sum(0) == 1  # nobody else sees it
+    leaves = [r for r in range(n_exact, T) if is_leaf[r]]
+    if len(leaves) > EXACT_MAX_BRANCHES:
+        return None
+    done, out = set(range(n_exact)), []
+    for leaf in leaves:
+        path = new_visible[leaf].nonzero().flatten().tolist()  # ascending: parents precede children
+        rows = [r for r in path if r not in done]
+        done.update(rows)
+        out.append((rows, path))
+    return out
+
+
+def _decode_form_calls(calls: list, rows: list[int], path: list[int], cache_len: int, max_len: int,
+                       dtype: torch.dtype, device: torch.device) -> None:
+    """Decode-form calls for ``rows`` on the root-to-leaf ``path`` (new-row indices): the row at depth d reads the
+    cached keys, then the path's first d + 1 new rows, at the key positions and padding a decode step at position
+    cache_len + d reads (one call per padded key count; the path's keys are gathered when they are not in place)."""
+    depth = {r: d for d, r in enumerate(path)}
+    in_place = path == list(range(len(path)))
+    mdtype = torch.float32 if dtype != torch.float32 else dtype  # bmm-form rows add the mask to fp32 scores
+    by_e: dict[int, list[int]] = {}
+    for r in rows:
+        by_e.setdefault(min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(r)
+    for e, group in by_e.items():
+        mask = torch.full((len(group), e), float("-inf"), dtype=mdtype, device=device)  # [rows, e]
+        for i, r in enumerate(group):
+            mask[i, :cache_len + depth[r] + 1] = 0.0
+        if in_place:
+            calls.append((slice(group[0], group[-1] + 1), e, mask, True))
+            continue
+        keys = list(range(cache_len)) + [cache_len + p for p in path]
+        keys = (keys + list(range(len(keys), e)))[:e]  # padding: any rows of the slot, masked out
+        calls.append((torch.tensor(group, device=device), torch.tensor(keys, device=device), mask, True))
 
 
 def _rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,21 +151,30 @@ def _attention(calls: list, T: int, causal: bool = False):
     def attention(q, k_cache, v_cache, cache_len_, tree_mask_):
         # q: [T, H, D]; k_cache, v_cache: [H_kv, S, D] -> [T, H, D]
         outs = []
-        for i, j, e, mask, one_row in calls:
-            rows = q if j - i == T else q[i:j]
+        for rows, keys, mask, one_row in calls:
+            qr = q if len(calls) == 1 else q[rows]
+            if isinstance(keys, int):
+                kc, vc = k_cache[:, :keys], v_cache[:, :keys]
+            else:  # a tree branch's keys, gathered into decode-step order
+                kc, vc = k_cache.index_select(1, keys), v_cache.index_select(1, keys)
             if one_row and q.dtype != torch.float32:
-                outs.append(_rowwise_attention(rows, k_cache[:, :e], v_cache[:, :e], mask))
+                outs.append(_rowwise_attention(qr, kc, vc, mask))
                 continue
-            k, v = k_cache[None, :, :e], v_cache[None, :, :e]  # [1, H_kv, e, D]
+            k, v = kc[None], vc[None]  # [1, H_kv, e, D]
             if one_row:  # float32 decode step: queries [1, H, 1, D], mask [1, 1, 1, e]
-                out = F.scaled_dot_product_attention(rows.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                out = F.scaled_dot_product_attention(qr.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                                      enable_gqa=True)
                 outs.append(out.squeeze(2))
             else:
-                out = F.scaled_dot_product_attention(rows.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                out = F.scaled_dot_product_attention(qr.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                                      is_causal=causal, enable_gqa=True)  # [1, H, rows, D]
                 outs.append(out[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if len(outs) == 1:
+            return outs[0]
+        out = q.new_empty(q.shape)
+        for (rows, *_), o in zip(calls, outs):
+            out[rows] = o
+        return out
 
     return attention
 

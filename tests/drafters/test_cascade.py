@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from drafters.base import create_drafter
-from drafters.cascade.drafter import CascadeDrafter, cascade_draft, check_k, review_step, rewind
+from drafters.cascade.drafter import CascadeDrafter, cascade_draft, cascade_tree, check_k, review_step, rewind
 from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_path, load_bigram, longest_match,
                                       save_bigram)
 from drafters.glide.model import default_checkpoint
@@ -179,6 +179,35 @@ def test_leniency_lets_likely_tokens_through():
                              leniency=leniency) == want
 
 
+def test_branch_keeps_maxgram_continuation_beside_the_reviewed_tokens():
+    rev = ScriptedReviewer(fix={302: 999})
+    branches = []
+    draft = cascade_draft(SEQ, MaxGram(COUNTING), rev, k11=3, k12=7, k21=4, branches=branches)
+    assert draft == [301, 302, 999, 1000, 1001, 1002, 1003]  # the chain is unchanged
+    assert branches == [(2, [303, 304])]  # Max-Gram's 303, 304 where the reviewer put 999
+    tree = cascade_tree(300, draft, branches, max_depth=7)
+    assert tree.tokens == [300, 301, 302, 999, 1000, 1001, 1002, 1003, 303, 304]
+    assert tree.parents == [-1, 0, 1, 2, 3, 4, 5, 6, 2, 8]  # 303 is a sibling of 999 (both children of 302)
+    tree.validate(V)
+    assert tree.depths()[8:] == [3, 4]
+    # the branch never reaches deeper than max_depth tokens below the root
+    tree = cascade_tree(300, draft[:3], branches, max_depth=3)
+    assert tree.tokens == [300, 301, 302, 999, 303] and tree.parents == [-1, 0, 1, 2, 2]
+    # nothing rejected: no branch; a branch at max depth or repeating the chain's token adds nothing
+    branches = []
+    assert cascade_draft(SEQ, MaxGram(COUNTING), ScriptedReviewer(), k11=1, k12=5, k21=4, branches=branches) == \
+        [301, 302, 303, 304, 305] and branches == []
+    assert cascade_tree(300, [301, 302], [(2, [7]), (1, [302, 9])], 2).tokens == [300, 301, 302]
+    # two rounds, two misses: two branches at their own depths; rows stop at the tree's limit
+    rev = ScriptedReviewer(fix={302: 999, 1000: 5})
+    branches = []
+    draft = cascade_draft(SEQ, MaxGram(COUNTING), rev, k11=5, k12=7, k21=4, branches=branches)
+    assert branches == [(2, [303, 304]), (4, [1001, 1002, 1003])]
+    tree = cascade_tree(300, draft, branches, max_depth=7)
+    assert tree.parents[len(draft) + 1:] == [2, 8, 4, 10, 11] and tree.num_rows == len(draft) + 6
+    assert cascade_tree(300, list(range(1, 61)), [(2, list(range(100, 140)))], 63).num_rows == 64
+
+
 def test_review_step_greedy_and_sampled():
     probs = torch.tensor([[0.1, 0.9, 0.0], [0.6, 0.0, 0.4], [0.0, 0.0, 1.0]])
     assert review_step([1, 2], probs) == (1, 0)             # 2 has 0.4 < 1 and is not the argmax
@@ -238,8 +267,9 @@ def test_maxgram_greedy_equals_plain(fp32_config, target32, prompts, plain, stop
     assert sum(o.stats.step_tokens for o in outs[1:]) / sum(o.stats.verify_steps for o in outs[1:]) > 1.5
 
 
-@pytest.mark.parametrize("options", [{}, {"k": [[6, 9], [3]], "leniency": 3.0}, {"k": [[4, 4], [2]]}],
-                         ids=["default", "rounds-lenient", "vertical-only"])
+@pytest.mark.parametrize("options", [{}, {"k": [[6, 9], [3]], "leniency": 3.0}, {"k": [[4, 4], [2]]},
+                                     {"branch": False}],
+                         ids=["default-branch", "rounds-lenient", "vertical-only", "chain"])
 def test_cascade_greedy_equals_plain(fp32_config, target32, prompts, plain, stops, options):
     assert default_checkpoint(target32.model_id).is_file(), "the trained GLIDE checkpoint must ship"
     drafter = create_drafter("cascade", target32, options)

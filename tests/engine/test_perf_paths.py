@@ -1,10 +1,11 @@
 """The CPU fast paths: per-row-count matmul kernels (model.linear) and decode-form attention (backend).
 
 - every linear path computes x @ W.T, and in bfloat16 gives a row the same bits whatever the row count;
-- every CPU attention call shape (prefill, decode, chain rows, tree rows, keys padded up to the end of the KV slot)
-  agrees with the plain-torch reference;
-- bfloat16 on the default model: the rows of a draft chain get bit-identical logits to plain decode steps, so greedy
-  ngram speculation emits exactly the plain decoding tokens (in float32 test_speculative_greedy covers this).
+- every CPU attention call shape (prefill, decode, chain rows, tree rows with gathered keys or in one multi-row call,
+  keys padded up to the end of the KV slot) agrees with the plain-torch reference;
+- bfloat16 on the default model: the rows of a draft chain (and of a few-branch tree) get bit-identical logits to
+  plain decode steps, so greedy ngram speculation emits exactly the plain decoding tokens (in float32
+  test_speculative_greedy covers this).
 The bit-exactness tests skip where this CPU's bfloat16 kernels are not row-invariant (measured on AMX Xeons).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from drafters.base import DraftTree, create_drafter
 from kernels.tree_attention import ancestor_bitmask, tree_attention_ref
 from server.config import config_from_dict
-from server.engine.backend import EXACT_MAX_ROWS, make_attention
+from server.engine.backend import EXACT_MAX_BRANCHES, EXACT_MAX_ROWS, make_attention
 from server.engine.engine import Engine, load_target
 from server.engine.model import linear
 from server.tokenization import encode_chat, stop_token_ids
@@ -70,6 +71,8 @@ CASES = [  # (cache_len, parents or None for causal rows, max_len)
     (60, [-1, 0, 1, 1, 0, 4, 2, 3], 256),  # a tree: chain prefix 0-1-2, then branches
     (10, list(range(-1, EXACT_MAX_ROWS - 1)), 256),  # the longest chain: every row in decode form
     (30, list(range(-1, 40)) + [3, 5, 40], 256),  # a long chain, then branch rows
+    (60, [-1, 0, 1, 2, 1, 4, 5, 6, 7, 8], 256),  # a branch whose rows pad to two key counts (gathered keys)
+    (70, [-1, 0, 1, 2, 0, 0, 1, 1, 2, 3], 256),  # more leaves than EXACT_MAX_BRANCHES: one multi-row call
     (90, list(range(-1, 7)), 100),  # padding clamped at the end of the slot
     (97, [-1], 100),
 ]
@@ -119,14 +122,20 @@ def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer):
         # the same rows as one chain verification, and as the chain rows of a tree with two extra branches
         seq.cache_len = start
         chain_logits, _ = engine.verify(seq, DraftTree.chain(root, chain))
-        tree = DraftTree([root, *chain[:3], 7, chain[3], 8, chain[4]], [-1, 0, 1, 2, 1, 3, 0, 5])
+        tree = DraftTree([root, *chain[:3], 7, chain[3], chain[4]], [-1, 0, 1, 2, 1, 3, 5])  # 2 leaves: 4 and 6
         tree_logits, _ = engine.verify(seq, tree)
+        big = DraftTree([root, *chain[:3], 7, chain[3], 8, chain[4], 9], [-1, 0, 1, 2, 1, 3, 0, 5, 2])  # 4 leaves
+        big_logits, _ = engine.verify(seq, big)
     engine.release(seq)
     assert torch.equal(chain_logits, torch.stack(decoded))
     assert torch.equal(tree_logits[:4], torch.stack(decoded[:4]))  # rows 0..3 are a chain from the root
-    # rows 5 and 7 are further decode steps on the chain, behind a branch row: close (bfloat16), not bitwise
+    # rows 5 and 6 are further decode steps on the chain, behind branch row 4: their ancestors sit at other cache
+    # rows than a decode step's, and gathered back into decode-step order they give the same bits
+    assert torch.equal(tree_logits[[5, 6]], torch.stack(decoded[4:6]))
+    # past EXACT_MAX_BRANCHES leaves the branch rows share one multi-row call: close (bfloat16), not bitwise
+    assert EXACT_MAX_BRANCHES < 4 and torch.equal(big_logits[:4], torch.stack(decoded[:4]))
     ref = torch.stack(decoded[4:6]).float()
-    assert (tree_logits[[5, 7]].float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    assert (big_logits[[5, 7]].float() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
 
 
 @needs_row_invariance
