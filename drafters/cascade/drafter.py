@@ -18,6 +18,12 @@ position stays in the draft as a sibling branch of the reviewed tokens, so the t
 the prompt already holds (code edits, quoting) Max-Gram's copies are often right where a small reviewer disagrees;
 on open chat the reviewed chain carries the step.
 
+Expand (option ``expand``, on by default: CAPE over the review): every reviewed position already has the reviewer's distribution
+from the review forward, so CAPE's confidence-aware expansion costs no extra drafter forward there: the reviewer's
+next-best tokens join the tree as siblings of the reviewed token, as many as the CAPE bin of its confidence gives,
+up to ``max_rows`` rows. This is what lets the cascade keep up with `glide-cape` on open chat, where Max-Gram rarely
+matches and the step rests on the reviewer.
+
 Leniency only ever loosens the reviewer's step: the whole draft goes to the target as point masses (for greedy and
 sampled requests alike), and the target's verification keeps the output exactly its own.
 """
@@ -28,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from drafters.base import MAX_TREE_ROWS, DraftTree, SequenceView, TargetView, VerifyResult
+from drafters.cape import PAPER_BINS, check_bins, expansion_size
 from drafters.cascade.maxgram import MaxGram, load_bigram
 from server.engine.acceptance import request_generator
 
@@ -90,12 +97,14 @@ def review_step(proposal: list[int], probs: torch.Tensor, leniency: float = 1.0,
 
 def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, k12: int, k21: int,
                   leniency: float = 1.0, generator: torch.Generator | None = None,
-                  branches: list[tuple[int, list[int]]] | None = None) -> list[int]:
+                  branches: list[tuple[int, list[int]]] | None = None,
+                  expansions: list[tuple[int, torch.Tensor]] | None = None) -> list[int]:
     """The draft (without the root) for one target step: reviewed rounds up to k11 tokens, Max-Gram up to k12.
 
     ``reviewer`` needs ``review(seq, draft) -> probs [len(draft) + 1, V]`` and ``observe`` (GlideDrafter's).
     ``branches``: when given, every round whose review rejects a Max-Gram token appends (depth, tokens) to it: the
     tokens Max-Gram proposed from that position on, whose first one would sit at draft index ``depth``.
+    ``expansions``: when given, gets (depth, probs) for every reviewed draft index: the reviewer's distribution there.
     """
     tokens, prompt_len = seq.tokens, seq.prompt_len
     reviewed: list[int] = []
@@ -108,15 +117,30 @@ def cascade_draft(seq: SequenceView, maxgram: MaxGram, reviewer: Any, k11: int, 
         n_pass, own = review_step(proposal, probs, leniency, generator)
         if branches is not None and n_pass < len(proposal):
             branches.append((len(reviewed) + n_pass, proposal[n_pass:]))
+        if expansions is not None:
+            expansions += [(len(reviewed) + i, probs[i]) for i in range(n_pass + 1)]
         reviewed += proposal[:n_pass] + [own]
         rounds += 1
     draft = reviewed[:k12]
     return draft + maxgram.extend(tokens + draft, prompt_len, k12 - len(draft))  # horizontal cascade
 
 
-def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int]]], max_depth: int) -> DraftTree:
+def review_expansions(rows: list[tuple[int, torch.Tensor]], max_expand: int) -> list[tuple[int, list[int], float]]:
+    """The reviewer's rows (depth, probs [V]) -> (depth, its top 1 + max_expand tokens with nonzero probability best
+    first, confidence = the row's top probability): what ``cascade_tree`` expands from."""
+    top = torch.topk(torch.stack([p for _, p in rows]), 1 + max_expand)
+    return [(depth, [t for t, v in zip(ids, vals) if v > 0.0], vals[0])
+            for (depth, _), ids, vals in zip(rows, top.indices.tolist(), top.values.tolist())]
+
+
+def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int]]], max_depth: int,
+                 expansions: Sequence[tuple[int, list[int], float]] = (), bins: Sequence[tuple[float, int]] = PAPER_BINS,
+                 max_rows: int = MAX_TREE_ROWS) -> DraftTree:
     """The draft chain (rows 1..len(draft), first so it verifies in decode form) plus each branch as a chain hanging
-    off the chain row before its depth, cut to ``max_depth`` tokens from the root and to the tree's row limit."""
+    off the chain row before its depth, cut to ``max_depth`` tokens from the root and to the tree's row limit; then
+    each expansion (depth, ranked alternatives, confidence): up to S(confidence) alternatives as single-token siblings
+    of the draft token at ``depth``, skipping tokens already a child there, while the tree has fewer than
+    ``max_rows`` rows (branches and the chain are never cut for expansions)."""
     tokens, parents = [root, *draft], list(range(-1, len(draft)))
     for depth, branch in branches:
         # the chain row at ``depth`` (draft index depth - 1) is the branch's parent; same token there: nothing new
@@ -125,6 +149,16 @@ def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int
             continue
         parents += [depth] + list(range(len(tokens), len(tokens) + len(branch) - 1))
         tokens += branch
+    max_rows = min(max_rows, MAX_TREE_ROWS)
+    for depth, alts, conf in expansions:
+        if depth >= len(draft):
+            continue
+        children = {t for t, p in zip(tokens, parents) if p == depth}
+        for tok in [t for t in alts if t not in children][:expansion_size(conf, bins)]:
+            if len(tokens) >= max_rows:
+                break
+            tokens.append(int(tok))
+            parents.append(depth)
     return DraftTree(tokens, parents)
 
 
@@ -132,7 +166,8 @@ class CascadeDrafter:
     name = "cascade"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = DEFAULT_K,
-                 leniency: float = 1.0, bigram: str | None = None, min_match: int = 1, branch: bool = True):
+                 leniency: float = 1.0, bigram: str | None = None, min_match: int = 1, branch: bool = True,
+                 expand: bool = True, bins: list | tuple = PAPER_BINS, max_rows: int = 16):
         from drafters.glide.drafter import GlideDrafter
 
         self.k11, self.k12, self.k21 = check_k(k)
@@ -140,6 +175,10 @@ class CascadeDrafter:
             raise ValueError("cascade: leniency must be >= 1 (1 = the reviewer's plain speculative step)")
         self.leniency = float(leniency)
         self.branch = bool(branch)
+        if not 2 <= max_rows <= MAX_TREE_ROWS:
+            raise ValueError(f"cascade: max_rows must be in [2, {MAX_TREE_ROWS}]")
+        self.expand, self.bins, self.max_rows = bool(expand), check_bins(bins), int(max_rows)
+        self.max_expand = max(k for _, k in self.bins)
         self.target = target
         self.maxgram = MaxGram(load_bigram(target, bigram), min_match)
         self.reviewer = GlideDrafter(target, checkpoint=checkpoint, gamma=min(self.k21, 63))
@@ -168,11 +207,13 @@ class CascadeDrafter:
 
     def propose(self, seq: SequenceView) -> DraftTree:
         branches: list[tuple[int, list[int]]] | None = [] if self.branch else None
+        rows: list[tuple[int, torch.Tensor]] | None = [] if self.expand else None
         draft = cascade_draft(seq, self.maxgram, self.reviewer, self.k11, self.k12, self.k21, self.leniency,
-                              self._generator(seq), branches)
-        if not branches:
+                              self._generator(seq), branches, rows)
+        expansions = review_expansions(rows, self.max_expand) if rows else []
+        if not branches and not expansions:
             return DraftTree.chain(seq.tokens[-1], draft)
-        return cascade_tree(seq.tokens[-1], draft, branches, self.k12)
+        return cascade_tree(seq.tokens[-1], draft, branches or [], self.k12, expansions, self.bins, self.max_rows)
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         self.reviewer.observe(seq, result)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drafters.base import create_drafter
-from drafters.cascade.drafter import CascadeDrafter, cascade_draft, cascade_tree, check_k, review_step, rewind
+from drafters.cascade.drafter import (CascadeDrafter, cascade_draft, cascade_tree, check_k, review_expansions,
+                                      review_step, rewind)
 from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_path, load_bigram, longest_match,
                                       save_bigram)
 from drafters.glide.model import default_checkpoint
@@ -208,6 +209,33 @@ def test_branch_keeps_maxgram_continuation_beside_the_reviewed_tokens():
     assert cascade_tree(300, list(range(1, 61)), [(2, list(range(100, 140)))], 63).num_rows == 64
 
 
+def test_expand_adds_the_reviewers_next_best_tokens_by_confidence():
+    # the reviewer's row after 302 puts 0.6 on its own 999 and 0.4 on Max-Gram's 303; every other row is sure
+    rev = ScriptedReviewer(fix={302: 999}, soft={303}, p_other=0.4)
+    rows = []
+    draft = cascade_draft(SEQ, MaxGram(COUNTING), rev, k11=3, k12=5, k21=4, expansions=rows)
+    assert draft == [301, 302, 999, 1000, 1001] and [d for d, _ in rows] == [0, 1, 2]  # reviewed depths only
+    exp = review_expansions(rows, max_expand=7)
+    assert exp[2][0] == 2 and exp[2][1] == [999, 303] and exp[2][2] == pytest.approx(0.6)
+    assert exp[0][1] == [301] and exp[0][2] == 1.0  # zero-probability tokens are never candidates
+    tree = cascade_tree(300, draft, [], 5, exp)
+    assert tree.tokens == [300, 301, 302, 999, 1000, 1001, 303] and tree.parents[6] == 2  # sibling of 999
+    tree.validate(V)
+    # a token the branch already put there is not added twice
+    tree = cascade_tree(300, draft, [(2, [303, 304])], 5, exp)
+    assert tree.tokens == [300, 301, 302, 999, 1000, 1001, 303, 304]
+    # S(p) from the bins: p = 0.2 -> 7 alternatives, p = 0.7 -> 3, p = 0.9 -> 1; expansions past the draft are
+    # dropped; rows stop at max_rows, the chain and branches are never cut for them
+    alts = lambda first: list(range(first, first + 8))  # noqa: E731
+    exp = [(0, alts(10), 0.2), (1, alts(20), 0.7), (2, alts(30), 0.9), (3, alts(40), 0.1)]
+    tree = cascade_tree(300, [10, 20, 30], [], 3, exp)
+    assert tree.tokens[4:] == [11, 12, 13, 14, 15, 16, 17, 21, 22, 23, 31]
+    assert tree.parents[4:] == [0] * 7 + [1] * 3 + [2]
+    tree = cascade_tree(300, [10, 20, 30], [(1, [5, 6])], 3, exp, max_rows=8)
+    assert tree.tokens == [300, 10, 20, 30, 5, 6, 11, 12]
+    assert cascade_tree(300, [10, 20, 30], [], 3, exp, bins=[(1.0, 0)]).tokens == [300, 10, 20, 30]
+
+
 def test_review_step_greedy_and_sampled():
     probs = torch.tensor([[0.1, 0.9, 0.0], [0.6, 0.0, 0.4], [0.0, 0.0, 1.0]])
     assert review_step([1, 2], probs) == (1, 0)             # 2 has 0.4 < 1 and is not the argmax
@@ -268,8 +296,8 @@ def test_maxgram_greedy_equals_plain(fp32_config, target32, prompts, plain, stop
 
 
 @pytest.mark.parametrize("options", [{}, {"k": [[6, 9], [3]], "leniency": 3.0}, {"k": [[4, 4], [2]]},
-                                     {"branch": False}],
-                         ids=["default-branch", "rounds-lenient", "vertical-only", "chain"])
+                                     {"branch": False, "max_rows": 40}, {"branch": False, "expand": False}],
+                         ids=["default-branch-expand", "rounds-lenient", "vertical-only", "expand-only", "chain"])
 def test_cascade_greedy_equals_plain(fp32_config, target32, prompts, plain, stops, options):
     assert default_checkpoint(target32.model_id).is_file(), "the trained GLIDE checkpoint must ship"
     drafter = create_drafter("cascade", target32, options)
