@@ -37,6 +37,17 @@ def expansion_size(confidence: float, bins: Sequence[tuple[float, int]] = PAPER_
     return bins[-1][1]
 
 
+def add_expansion(tokens: list[int], parents: list[int], parent: int, alternatives: Sequence[int], confidence: float,
+                  bins: Sequence[tuple[float, int]], max_rows: int) -> None:
+    """CAPE at one position, in place: the first S(confidence) ``alternatives`` (best first) become children of row
+    ``parent``, while the tree has fewer than ``max_rows`` rows."""
+    for tok in alternatives[:expansion_size(confidence, bins)]:
+        if len(tokens) >= max_rows:
+            break
+        tokens.append(int(tok))
+        parents.append(parent)
+
+
 def cape_tree(root: int, chain: list[int], alternatives: list[list[int]], confidences: list[float],
               bins: Sequence[tuple[float, int]] = PAPER_BINS, max_rows: int = 32,
               chain_q: torch.Tensor | None = None) -> DraftTree:
@@ -53,11 +64,8 @@ def cape_tree(root: int, chain: list[int], alternatives: list[list[int]], confid
     chain = chain[:max(0, max_rows - 1)]
     tokens, parents = [root, *chain], list(range(-1, len(chain)))
     for i, (alts, p) in enumerate(zip(alternatives[:len(chain)], confidences)):
-        for tok in alts[:expansion_size(p, bins)]:
-            if len(tokens) >= max_rows:
-                break
-            tokens.append(int(tok))
-            parents.append(i)  # a sibling of chain token i + 1: child of the chain row before it
+        # siblings of chain token i + 1: children of the chain row before it
+        add_expansion(tokens, parents, i, alts, p, bins, max_rows)
     q = None
     if chain_q is not None:
         q = chain_q.new_zeros(len(tokens), chain_q.shape[-1])

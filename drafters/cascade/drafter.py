@@ -18,11 +18,11 @@ position stays in the draft as a sibling branch of the reviewed tokens, so the t
 the prompt already holds (code edits, quoting) Max-Gram's copies are often right where a small reviewer disagrees;
 on open chat the reviewed chain carries the step.
 
-Expand (option ``expand``, on by default: CAPE over the review): every reviewed position already has the reviewer's distribution
-from the review forward, so CAPE's confidence-aware expansion costs no extra drafter forward there: the reviewer's
-next-best tokens join the tree as siblings of the reviewed token, as many as the CAPE bin of its confidence gives,
-up to ``max_rows`` rows. This is what lets the cascade keep up with `glide-cape` on open chat, where Max-Gram rarely
-matches and the step rests on the reviewer.
+Expand (option ``expand``, on by default: CAPE over the review): every reviewed position already has the reviewer's
+distribution from the review forward, so CAPE's confidence-aware expansion costs no extra drafter forward there: the
+reviewer's next-best tokens join the tree as siblings of the reviewed token, as many as the CAPE bin of its
+confidence gives, up to ``max_rows`` rows. This is what puts the cascade ahead of `glide-cape` on open chat, where
+Max-Gram rarely matches and the step rests on the reviewer.
 
 Leniency only ever loosens the reviewer's step: the whole draft goes to the target as point masses (for greedy and
 sampled requests alike), and the target's verification keeps the output exactly its own.
@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from drafters.base import MAX_TREE_ROWS, DraftTree, SequenceView, TargetView, VerifyResult
-from drafters.cape import PAPER_BINS, check_bins, expansion_size
+from drafters.cape import PAPER_BINS, add_expansion, check_bins
 from drafters.cascade.maxgram import MaxGram, load_bigram
 from server.engine.acceptance import request_generator
 
@@ -134,8 +134,8 @@ def review_expansions(rows: list[tuple[int, torch.Tensor]], max_expand: int) -> 
 
 
 def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int]]], max_depth: int,
-                 expansions: Sequence[tuple[int, list[int], float]] = (), bins: Sequence[tuple[float, int]] = PAPER_BINS,
-                 max_rows: int = MAX_TREE_ROWS) -> DraftTree:
+                 expansions: Sequence[tuple[int, list[int], float]] = (),
+                 bins: Sequence[tuple[float, int]] = PAPER_BINS, max_rows: int = MAX_TREE_ROWS) -> DraftTree:
     """The draft chain (rows 1..len(draft), first so it verifies in decode form) plus each branch as a chain hanging
     off the chain row before its depth, cut to ``max_depth`` tokens from the root and to the tree's row limit; then
     each expansion (depth, ranked alternatives, confidence): up to S(confidence) alternatives as single-token siblings
@@ -154,11 +154,7 @@ def cascade_tree(root: int, draft: list[int], branches: list[tuple[int, list[int
         if depth >= len(draft):
             continue
         children = {t for t, p in zip(tokens, parents) if p == depth}
-        for tok in [t for t in alts if t not in children][:expansion_size(conf, bins)]:
-            if len(tokens) >= max_rows:
-                break
-            tokens.append(int(tok))
-            parents.append(depth)
+        add_expansion(tokens, parents, depth, [t for t in alts if t not in children], conf, bins, max_rows)
     return DraftTree(tokens, parents)
 
 
