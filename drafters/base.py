@@ -1,105 +1,31 @@
-"""The contract between drafters and the engine: the draft tree, the drafter Protocol, and the registry.
+"""The contract between drafters and the engine: the drafter Protocol, the views it reads, and the registry.
 
-A drafter proposes a :class:`DraftTree` rooted at the last accepted token; the engine verifies all of its rows in one
-target forward, accepts a path losslessly, and tells the drafter what happened through :meth:`Drafter.observe`.
-Drafters read the target only through the read-only :class:`SequenceView` / :class:`TargetView` the engine hands them.
-Nothing outside this package branches on which drafter is running.
+A drafter proposes a ``core.tree.DraftTree`` rooted at the last accepted token (the tree's contract, including what
+sampled exactness needs of q rows and sibling order, is in ``core/tree.py``); the engine verifies all of its rows in
+one target forward, accepts a path losslessly, and tells the drafter what happened through :meth:`Drafter.observe`.
+Drafters read the target only through the read-only :class:`SequenceView` / :class:`TargetView` the engine hands them,
+and import only ``core`` (the shared vocabulary), never the engine. Nothing outside this package branches on which
+drafter is running.
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import inspect
+import types
+import typing
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-MAX_TREE_ROWS = 64  # root included: the verification mask is one int64 bitmask per row
-
-
-@dataclass
-class DraftTree:
-    """Rows in topological order; row 0 is the root (the last accepted token, whose KV is not cached yet).
-
-    tokens:  [T+1] token ids
-    parents: [T+1] parent row of each row, -1 for the root; parents[i] < i
-    q:       optional [T+1, V] float tensor, row i = the distribution row i's token was drawn from (independently of
-             its siblings). An all-zero row (or q=None) marks a point mass: a deterministic proposal (top-k, n-gram).
-             Row 0 is ignored.
-    """
-
-    tokens: list[int]
-    parents: list[int]
-    q: torch.Tensor | None = None
-
-    @classmethod
-    def root_only(cls, root: int) -> "DraftTree":
-        return cls([root], [-1])
-
-    @classmethod
-    def chain(cls, root: int, draft: list[int], q: torch.Tensor | None = None) -> "DraftTree":
-        return cls([root, *draft], list(range(-1, len(draft))), q)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_draft(self) -> int:
-        return len(self.tokens) - 1
-
-    def depths(self) -> list[int]:
-        d = [0] * len(self.parents)
-        for i in range(1, len(self.parents)):
-            d[i] = d[self.parents[i]] + 1
-        return d
-
-    def children(self) -> list[list[int]]:
-        ch: list[list[int]] = [[] for _ in self.parents]
-        for i in range(1, len(self.parents)):
-            ch[self.parents[i]].append(i)
-        return ch
-
-    def truncate(self, num_rows: int) -> "DraftTree":
-        """The first ``num_rows`` rows (still a valid tree: parents precede children)."""
-        if num_rows >= self.num_rows:
-            return self
-        q = self.q[:num_rows] if self.q is not None else None
-        return DraftTree(self.tokens[:num_rows], self.parents[:num_rows], q)
-
-    def validate(self, vocab_size: int) -> None:
-        n = len(self.tokens)
-        if n < 1 or len(self.parents) != n:
-            raise ValueError(f"draft tree: {n} tokens but {len(self.parents)} parents")
-        if n > MAX_TREE_ROWS:
-            raise ValueError(f"draft tree has {n} rows; at most {MAX_TREE_ROWS} (root included)")
-        if self.parents[0] != -1:
-            raise ValueError("draft tree: row 0 must be the root (parent -1)")
-        for i in range(1, n):
-            if not 0 <= self.parents[i] < i:
-                raise ValueError(f"draft tree: row {i} has parent {self.parents[i]}; rows must be topological")
-        if any(not 0 <= t < vocab_size for t in self.tokens):
-            raise ValueError(f"draft tree: token id out of range [0, {vocab_size})")
-        if self.q is not None and tuple(self.q.shape) != (n, vocab_size):
-            raise ValueError(f"draft tree: q has shape {tuple(self.q.shape)}, expected {(n, vocab_size)}")
-
-
-@dataclass
-class VerifyResult:
-    """What verification decided for one tree."""
-
-    accepted_rows: list[int]  # the accepted path, root (row 0) first
-    tokens: list[int]         # tokens emitted: the accepted draft tokens, then the target's bonus token
-    num_draft: int            # draft rows proposed (root excluded)
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted_rows) - 1
+from core.ops import LlamaArgs
+from core.sampling import SamplingParams
+from core.tree import DraftTree, VerifyResult
 
 
 class TargetView(Protocol):
     """Frozen, read-only pieces of the target model that drafters may share."""
 
-    args: Any  # server.engine.model.LlamaArgs
+    args: LlamaArgs
     device: torch.device
     dtype: torch.dtype
     model_id: str
@@ -127,7 +53,7 @@ class SequenceView(Protocol):
     def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # post-RoPE K, V [H_kv, cache_len, D]
     def target_hidden(self) -> torch.Tensor: ...  # last-layer hidden states of cached tokens [cache_len, hidden]
     @property
-    def sampling(self) -> Any: ...         # server.engine.acceptance.SamplingParams of the request
+    def sampling(self) -> SamplingParams: ...  # the request's sampling parameters
 
 
 @runtime_checkable
@@ -157,13 +83,45 @@ def drafter_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_drafter(name: str, target: TargetView, options: dict[str, Any] | None = None) -> Drafter:
-    """Build the drafter called ``name``; unknown names and options fail with the valid choices."""
+def drafter_class(name: str) -> type:
+    """The class registered as ``name`` (imports its module); unknown names fail with the valid ones."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; valid drafters: {', '.join(drafter_names())}")
     module, cls_name = _REGISTRY[name].split(":")
-    cls = getattr(importlib.import_module(module), cls_name)
+    return getattr(importlib.import_module(module), cls_name)
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """Raise ValueError naming the option at fault: an option the drafter does not take (with the valid ones), or a
+    value whose type does not match a plain annotation (int, float, bool, str, optional str) of its constructor."""
+    cls = drafter_class(name)
+    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "target")]
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise ValueError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))}; valid options: "
+                         f"{', '.join(params) or '(none)'}")
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in options.items():
+        allowed = _plain_types(hints.get(key))
+        if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"drafter {name!r} option {key!r} must be {names}, got {value!r}")
+
+
+def _plain_types(annotation: Any) -> tuple[type, ...] | None:
+    """The Python types a config value may have for a plain annotation; None where the constructor checks it."""
+    plain = {int: (int,), float: (int, float), bool: (bool,), str: (str,), type(None): (type(None),)}
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if not all(a in plain for a in args):
+        return None
+    return tuple(t for a in args for t in plain[a])
+
+
+def create_drafter(name: str, target: TargetView, options: dict[str, Any] | None = None) -> Drafter:
+    """Build the drafter called ``name``; unknown names and options fail with the valid choices."""
+    options = options or {}
+    check_options(name, options)
     try:
-        return cls(target, **(options or {}))
+        return drafter_class(name)(target, **options)
     except TypeError as e:
-        raise ValueError(f"drafter {name!r}: bad options {sorted(options or {})}: {e}") from None
+        raise ValueError(f"drafter {name!r}: bad options {sorted(options)}: {e}") from None

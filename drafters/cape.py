@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from drafters.base import MAX_TREE_ROWS, DraftTree
+from core.tree import MAX_TREE_ROWS, DraftTree
 
 # (upper bound of the confidence bin, expansion-set size): the paper's S(p) = 7, 5, 3, 1 for p in (0, .3], (.3, .6],
 # (.6, .8], (.8, 1].

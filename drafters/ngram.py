@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from core.tree import DraftTree, VerifyResult
+from drafters.base import SequenceView, TargetView
 
 
 def lookup(history: np.ndarray, max_ngram: int, min_ngram: int, num_tokens: int) -> list[int]:

@@ -1,7 +1,8 @@
 """`none`: plain autoregressive decoding. Every tree is the root alone, so each target forward emits one token."""
 from __future__ import annotations
 
-from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from core.tree import DraftTree, VerifyResult
+from drafters.base import SequenceView, TargetView
 
 
 class NoneDrafter:

@@ -1,7 +1,8 @@
-"""`specserve` command line: serve, generate, bench offline/serve, train data/glide/bigram.
+"""`specserve` command line: serve, generate, bench offline/serve, train data/glide/bigram/eval-glide.
 
-Every command takes ``--config`` and the overrides ``--drafter`` / ``--dtype`` / ``--device``. Environment variables
-are read here, at the entry point, and nowhere below.
+Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
+drafter (serve, generate, bench offline) also take ``--drafter``. ``bench serve`` only talks to a running server over
+HTTP. Environment variables are read here, at the entry point, and nowhere below.
 """
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import json
 import os
 import sys
 
+from core.ops import DTYPES
 from server.config import ConfigError, EngineConfig, load_config
 
 
-def _common(p: argparse.ArgumentParser, drafter_help: str = "drafter name (overrides the config)") -> None:
+def _common(p: argparse.ArgumentParser, drafter_help: str | None = "drafter name (overrides the config)") -> None:
+    """--config, --dtype, --device, and --drafter unless ``drafter_help`` is None (commands that run no drafter)."""
     p.add_argument("--config", default=None, help="YAML config (default: embedded model, drafter none)")
-    p.add_argument("--drafter", default=None, help=drafter_help)
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    if drafter_help is not None:
+        p.add_argument("--drafter", default=None, help=drafter_help)
+    p.add_argument("--dtype", default=None, choices=list(DTYPES))
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
 
 
@@ -25,7 +29,8 @@ def _config(a: argparse.Namespace, drafter: str | None = None) -> EngineConfig:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from server.engine.engine import Engine, SamplingParams
+    from core.sampling import SamplingParams
+    from server.engine.engine import Engine
     from server.engine.weights import load_tokenizer
     from server.tokenization import encode_chat, encode_text, stop_token_ids
 
@@ -200,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     tb = tsub.add_parser("bigram", help="build the Max-Gram bigram table from the same data (runs `train data` "
                          "first when needed)")
     for q in (td, tg, tb):
-        _common(q)
+        _common(q, drafter_help=None)  # they train drafters for the configured target; none runs
         q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
         q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
         q.add_argument("--gen-batch", type=int, default=32, help="prompts per batched generate call")
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
     tg.set_defaults(func=cmd_train_glide)
     te = tsub.add_parser("eval-glide", help="acceptance of GLIDE checkpoints (chain or CAPE) on a prompt file")
-    _common(te)
+    _common(te, drafter_help=None)
     te.add_argument("--checkpoint", action="append", required=True, help="checkpoint path (repeatable)")
     te.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
     te.add_argument("--gamma", type=int, default=5)

@@ -18,13 +18,14 @@ Environment variables are read only at the entry points (CLI), never here.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-DTYPES = ("bfloat16", "float16", "float32")
+from core.ops import DTYPES
 
 
 class ConfigError(ValueError):
@@ -82,8 +83,10 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        from drafters.base import check_options, drafter_names
+
         if self.model.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.model.dtype!r}")
+            raise ConfigError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.model.dtype!r}")
         if not (self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.model.device!r}")
         if self.cache.num_slots < 1:
@@ -92,6 +95,17 @@ class EngineConfig:
             raise ConfigError("cache.max_seq_len must be >= 2")
         if self.server.max_waiting < 0:
             raise ConfigError("server.max_waiting must be >= 0")
+        valid = drafter_names()
+        if self.drafter.name not in valid:
+            raise ConfigError(f"drafter.name: unknown drafter {self.drafter.name!r}; valid drafters: {', '.join(valid)}")
+        for name, options in self.drafter.options.items():
+            if name not in valid:
+                raise ConfigError(f"drafter.{name}: no drafter is called {name!r}, so these options would be ignored; "
+                                  f"valid keys under drafter: name, {', '.join(valid)}")
+            try:
+                check_options(name, options)
+            except ValueError as e:
+                raise ConfigError(f"drafter.{name}: {e}") from None
 
 
 def _section(cls, raw: Any, where: str):
@@ -99,14 +113,16 @@ def _section(cls, raw: Any, where: str):
         return cls()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(raw) - names
+    hints = typing.get_type_hints(cls)
+    unknown = set(raw) - set(hints)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys: {sorted(names)}")
-    try:
-        return cls(**raw)
-    except TypeError as e:  # pragma: no cover - dataclass arity errors
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys: {sorted(hints)}")
+    for key, value in raw.items():
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ConfigError(f"{where}.{key} must be {names}, got {value!r}")
+    return cls(**raw)
 
 
 def config_from_dict(raw: dict[str, Any]) -> EngineConfig:
@@ -117,8 +133,10 @@ def config_from_dict(raw: dict[str, Any]) -> EngineConfig:
         raise ConfigError(f"config: unknown sections {sorted(unknown)}")
     drafter_raw = dict(raw.get("drafter") or {})
     name = drafter_raw.pop("name", "none")
-    if not all(isinstance(v, dict) for v in drafter_raw.values()):
-        raise ConfigError("drafter: every key but `name` must map a drafter name to its options")
+    for key, value in drafter_raw.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"drafter.{key}: every key under drafter but `name` is a drafter name mapping to its "
+                              f"options, got {value!r}")
     cfg = EngineConfig(
         model=_section(ModelConfig, raw.get("model"), "model"),
         cache=_section(CacheConfig, raw.get("cache"), "cache"),
@@ -136,6 +154,11 @@ def load_config(path: str | Path | None) -> EngineConfig:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    with p.open() as f:
-        raw = yaml.safe_load(f) or {}
-    return config_from_dict(raw)
+    try:
+        with p.open() as f:
+            raw = yaml.safe_load(f) or {}
+        return config_from_dict(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None

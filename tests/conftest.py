@@ -8,7 +8,8 @@ import pytest
 import torch
 
 # Triton picks interpreter or compiler when a kernel is decorated, i.e. on the first import of `kernels`, which any
-# engine test triggers: without a GPU, the kernel tests run the Triton kernels under the interpreter.
+# engine test triggers. This is the one place the choice is made: the interpreter only where there is no CUDA device
+# (an explicit TRITON_INTERPRET wins), so on a GPU the kernel tests run compiled, bfloat16 included.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -73,3 +74,23 @@ def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-llama")
     write_tiny_llama(d)
     return d
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness-of-fit p-value of observed ``counts`` against exact ``probs`` (same shape, any rank).
+
+    Fails outright when a cell of probability zero was observed; cells expected below 5 are pooled into one.
+    """
+    from scipy import stats
+
+    n = counts.sum().item()
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    assert counts[probs == 0].sum() == 0, "a token of target probability zero was sampled"
+    expected = probs * n
+    big = expected >= 5  # pool the sparse cells into one, as chi-square needs
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * (obs.sum() / exp.sum())  # remove float round-off in the totals
+    return stats.chisquare(obs.numpy(), exp.numpy()).pvalue

@@ -67,3 +67,23 @@ def test_bench_offline_reports_drafter_forwards_and_cost(tmp_path, capsys):
     assert 0 < r["cost_coefficient"] < 10
     want = sum(len(o) for o in r["outputs"]) / (r["target_forwards"] + r["drafter_forwards"] * r["cost_coefficient"])
     assert r["swi"] == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.parametrize("argv", [["train", "glide", "--drafter", "glide"], ["train", "data", "--drafter", "x"],
+                                  ["train", "bigram", "--drafter", "x"],
+                                  ["bench", "serve", "--url", "http://127.0.0.1:1", "--prompts", "p", "--dtype", "float32"]])
+def test_commands_refuse_flags_they_would_ignore(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_model_commands_take_config_dtype_device():
+    from server.cli import build_parser
+
+    p = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["serve"], ["bench", "offline", "--prompts", "p"],
+                 ["train", "glide"], ["train", "data"], ["train", "bigram"],
+                 ["train", "eval-glide", "--checkpoint", "c", "--prompts", "p"]):
+        a = p.parse_args([*argv, "--config", "c.yaml", "--dtype", "float32", "--device", "cpu"])
+        assert (a.config, a.dtype, a.device) == ("c.yaml", "float32", "cpu")

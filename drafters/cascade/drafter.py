@@ -33,10 +33,11 @@ from typing import Any, Sequence
 
 import torch
 
-from drafters.base import MAX_TREE_ROWS, DraftTree, SequenceView, TargetView, VerifyResult
+from core.sampling import request_generator
+from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
+from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, add_expansion, check_bins
 from drafters.cascade.maxgram import MaxGram, load_bigram
-from server.engine.acceptance import request_generator
 
 # Default K matrix [[k11, k12], [k21]]: one review round per step (every round yields at least one token), Max-Gram
 # proposing 10 tokens per review as in the paper, drafts of 6 tokens.

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from core.tree import DraftTree, VerifyResult
+from drafters.base import SequenceView, TargetView
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 MAX_MATCH = 64  # longer matches continue the same way; the cap bounds the search on degenerate repetitive text

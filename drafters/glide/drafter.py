@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from drafters.base import DraftTree, SequenceView, TargetView, VerifyResult
+from core.sampling import request_generator, target_probs
+from core.tree import DraftTree, VerifyResult
+from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
-from drafters.glide.model import (GlideCheckpointError, GlideModel, causal_visibility, check_fits,
-                                  default_checkpoint)
-from server.engine.acceptance import request_generator, target_probs
+from drafters.glide.model import GlideCheckpointError, GlideModel, causal_visibility, check_fits, default_checkpoint
 
 
 @dataclass

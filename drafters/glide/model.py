@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.engine.model import Rope, apply_rope, linear, rms_norm
+from core.ops import Rope, apply_rope, linear, rms_norm
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 

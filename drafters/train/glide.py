@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from core.ops import rms_norm
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
-from server.engine.model import rms_norm
 
 
 @dataclass
@@ -291,8 +291,8 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.model import default_checkpoint
     from server.engine.engine import load_target
-    from server.tokenization import stop_token_ids
     from server.engine.weights import load_tokenizer
+    from server.tokenization import stop_token_ids
 
     opts = opts or TrainOptions()
     torch.manual_seed(opts.seed)
@@ -348,8 +348,9 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
 def measure_acceptance(cfg, checkpoint: Path, prompts: list[list[int]], gamma: int = 5, temperature: float = 0.0,
                        max_new_tokens: int = 128, cape: bool = False, target=None, stop_ids=()) -> dict:
     """Chain (or CAPE) acceptance of a checkpoint on token-id prompts: acceptance rate and mean accepted length."""
+    from core.sampling import SamplingParams
     from drafters.glide.drafter import GlideDrafter
-    from server.engine.engine import Engine, SamplingParams, load_target
+    from server.engine.engine import Engine, load_target
 
     target = target or load_target(cfg, progress=False)
     drafter = GlideDrafter(target, checkpoint=str(checkpoint), gamma=gamma, cape=cape)

@@ -91,7 +91,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
 
     from server.engine.weights import load_tokenizer, resolve_model
     from server.tokenization import stop_token_ids
-    from server.engine.model import LlamaArgs
+    from core.ops import LlamaArgs
     from server.engine.weights import load_hf_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s api %(levelname)s %(message)s")

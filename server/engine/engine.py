@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import MAX_TREE_ROWS, DraftTree, Drafter, VerifyResult, create_drafter
+from core.ops import DTYPES, LlamaArgs
+from core.sampling import SamplingParams, request_generator, target_probs
+from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
+from drafters.base import Drafter, create_drafter
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
-from server.engine.acceptance import (SamplingParams, accept_greedy, accept_sampling, request_generator,
-                                      target_probs)
+from server.engine.acceptance import accept_greedy, accept_sampling
 from server.engine.backend import compact_kv, make_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError
-from server.engine.model import Llama, LlamaArgs
+from server.engine.model import Llama
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class RequestError(ValueError):
@@ -45,10 +45,7 @@ class SeqStats:
     accepted_tokens: int = 0   # draft tokens accepted
     verify_steps: int = 0      # target forwards after prefill
     step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
-    accepted_per_position: list[int] = field(default_factory=list)  # [depth-1] -> times a draft at that depth passed
-    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
-    draft_seconds: float = 0.0   # wall time in drafter.propose
-    verify_seconds: float = 0.0  # wall time in the target's verify forwards
+    verify_seconds: float = 0.0  # wall time in the target's verify forwards (the offline benchmark's split)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -250,9 +247,7 @@ class Engine:
         if seq.finish_reason is not None:
             return []
         view = self.view(seq)
-        t0 = time.perf_counter()
         tree = self.drafter.propose(view)
-        t1 = time.perf_counter()
         tree.validate(self.model.args.vocab_size)
         if tree.tokens[0] != seq.token_ids[-1]:
             raise RuntimeError(f"drafter {self.drafter.name!r} rooted its tree at {tree.tokens[0]}, "
@@ -273,13 +268,7 @@ class Engine:
         s.draft_tokens += tree.num_draft
         s.accepted_tokens += result.num_accepted
         s.step_tokens += len(emitted)
-        s.accept_lengths.append(len(emitted))
-        s.draft_seconds += t1 - t0
         s.verify_seconds += t3 - t2
-        if len(s.accepted_per_position) < result.num_accepted:
-            s.accepted_per_position.extend([0] * (result.num_accepted - len(s.accepted_per_position)))
-        for d in range(result.num_accepted):
-            s.accepted_per_position[d] += 1
         if seq.finish_reason is None:
             self.drafter.observe(view, result)
         return emitted

@@ -11,7 +11,7 @@ import logging
 from collections import OrderedDict
 from typing import Callable
 
-from server.engine.acceptance import SamplingParams
+from core.sampling import SamplingParams
 from server.engine.engine import Engine, RequestError, Sequence
 from server.worker import messages as m
 

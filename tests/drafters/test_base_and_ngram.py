@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from drafters.base import DraftTree, create_drafter, drafter_names
+from core.tree import DraftTree
+from drafters.base import create_drafter, drafter_names
 from drafters.ngram import lookup
 
 
@@ -12,8 +13,10 @@ def test_registry_lists_valid_names_on_unknown():
     assert {"none", "ngram"} <= set(drafter_names())
     with pytest.raises(ValueError, match="valid drafters: .*ngram"):
         create_drafter("nope", target=None)
-    with pytest.raises(ValueError, match="bad options"):
+    with pytest.raises(ValueError, match="no option 'bogus'; valid options: num_tokens, max_ngram, min_ngram"):
         create_drafter("ngram", target=None, options={"bogus": 1})
+    with pytest.raises(ValueError, match="'num_tokens' must be int"):
+        create_drafter("ngram", target=None, options={"num_tokens": 2.5})
 
 
 def test_draft_tree_helpers():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from drafters.cascade.drafter import (CascadeDrafter, cascade_draft, cascade_tree, check_k, review_expansions,
                                       review_step, rewind)
@@ -15,9 +16,9 @@ from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_
                                       save_bigram)
 from drafters.glide.model import default_checkpoint
 from drafters.train.bigram import count_bigrams
-from server.engine.engine import Engine, SamplingParams
-from tests.conftest import encode_prompts
+from server.engine.engine import Engine
 from server.tokenization import stop_token_ids
+from tests.conftest import encode_prompts
 
 V = 2000
 COUNTING = np.arange(1, V + 1) % V  # bigram table: v -> v + 1

@@ -7,14 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from drafters.cape import PAPER_BINS, cape_tree, check_bins, expansion_size
 from drafters.glide.drafter import GlideDrafter
 from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
                                   default_checkpoint)
-from server.engine.engine import Engine, SamplingParams
-from tests.conftest import encode_prompts
+from server.engine.engine import Engine
 from server.tokenization import stop_token_ids
+from tests.conftest import encode_prompts
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,9 @@ def test_block_mask_is_the_papers():
 
 
 def test_rope_follows_the_target_settings(tmp_path):
+    from core.ops import LlamaArgs
+    from server.engine.model import Llama
     from tests.conftest import write_tiny_llama
-    from server.engine.model import Llama, LlamaArgs
 
     for scaling in (None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 64}):
@@ -63,7 +65,7 @@ def test_rope_follows_the_target_settings(tmp_path):
 
 
 def _tiny_glide(seed=0, **kw):
-    from server.engine.model import LlamaArgs
+    from core.ops import LlamaArgs
 
     torch.manual_seed(seed)
     args = LlamaArgs(vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -223,8 +225,15 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 # -- training ---------------------------------------------------------------------------------------------------
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
     from drafters.train.data import generate_responses
-    from drafters.train.glide import (TrainOptions, build_model, evaluate, loss_tables, teacher_pass, train,
-                                      vocab_by_frequency)
+    from drafters.train.glide import (
+        TrainOptions,
+        build_model,
+        evaluate,
+        loss_tables,
+        teacher_pass,
+        train,
+        vocab_by_frequency,
+    )
     from drafters.train.prompts import training_records
 
     recs = training_records(humaneval=False)[::200][:4]

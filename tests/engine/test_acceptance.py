@@ -7,8 +7,9 @@ import pytest
 import torch
 from scipy import stats
 
-from drafters.base import DraftTree
-from server.engine.acceptance import SamplingParams, accept_greedy, accept_sampling, target_probs
+from core.sampling import SamplingParams, target_probs
+from core.tree import DraftTree
+from server.engine.acceptance import accept_greedy, accept_sampling, residual
 
 V = 8
 
@@ -120,3 +121,18 @@ def test_sampling_params_validation():
                 dict(top_k=-2)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_empty_residual_never_brings_back_a_rejected_token():
+    """Round-off can leave no mass after a rejection (p == q on q's support); the fallback must still exclude every
+    token already rejected at that node."""
+    p_node = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # a q-child on token 0 with q == p was "rejected", then a point mass on token 1: nothing left in max(p - q, 0)
+    out = residual(torch.zeros(V), p_node, rejected=[0, 1])
+    assert out[0] == 0 and out[1] == 0
+    torch.testing.assert_close(out, torch.tensor([0, 0, 1.0, 0, 0, 0, 0, 0]))
+    # the ordinary case just normalises
+    torch.testing.assert_close(residual(torch.tensor([0, 0.2, 0.2, 0, 0, 0, 0, 0]), p_node, [0]),
+                               torch.tensor([0, 0.5, 0.5, 0, 0, 0, 0, 0]))
+    with pytest.raises(RuntimeError, match="no target mass"):
+        residual(torch.zeros(V), p_node, rejected=[0, 1, 2])

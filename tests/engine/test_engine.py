@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import DraftTree
+from core.sampling import SamplingParams
+from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine.acceptance import SamplingParams
 from server.engine.engine import Engine, NoFreeSlotError, RequestError
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import DraftTree, create_drafter
+from core.ops import linear
+from core.tree import DraftTree
+from drafters.base import create_drafter
 from kernels.tree_attention import ancestor_bitmask, tree_attention_ref
 from server.config import config_from_dict
 from server.engine.backend import EXACT_MAX_BRANCHES, EXACT_MAX_ROWS, make_attention
 from server.engine.engine import Engine, load_target
-from server.engine.model import linear
 from server.tokenization import encode_chat, stop_token_ids
 
 CPU = torch.device("cpu")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy import stats
 
 import server.engine.acceptance as acceptance
-from drafters.base import DraftTree
+from core.sampling import SamplingParams, target_probs
+from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine.acceptance import SamplingParams, target_probs
 from server.engine.engine import Engine
+from tests.conftest import chi2_pvalue
 from tests.engine.tree_drafters import RandomQTreeDrafter
 
 V = 16
@@ -41,20 +41,6 @@ def sample_pairs(engine: Engine, seq, sp: SamplingParams, n: int) -> torch.Tenso
             out += engine.step(seq)
         counts[out[0], out[1]] += 1
     return counts
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = counts.sum().item()
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    assert counts[probs == 0].sum() == 0, "a token of target probability zero was sampled"
-    expected = probs * n
-    big = expected >= 5  # pool the sparse cells into one, as chi-square needs
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * (obs.sum() / exp.sum())  # remove float round-off in the totals
-    return stats.chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +80,5 @@ def test_speculative_sampling_matches_target(engine, sp):
 
 def test_negative_control_broken_rule_is_caught(engine, monkeypatch):
     """Sampling the bonus from the unmodified p after rejections (a classic bug) must be detected."""
-    real = acceptance._normalise
-    monkeypatch.setattr(acceptance, "_normalise", lambda p, fallback: fallback if p.sum() > 0 else real(p, fallback))
+    monkeypatch.setattr(acceptance, "residual", lambda left, p_node, rejected: p_node)
     assert speculative_pvalue(engine, SamplingParams(temperature=1.0)) < 1e-6

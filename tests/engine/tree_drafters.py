@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from drafters.base import DraftTree
+from core.tree import DraftTree
 
 
 def random_shape(rng: random.Random, kind: str, rows: int) -> list[int]:
@@ -69,7 +69,7 @@ class OracleTreeDrafter:
 
 
 class RandomQTreeDrafter:
-    """Random trees whose nodes are drawn from random q's (some are point masses)."""
+    """Random trees whose nodes are drawn from random q's (some are point masses, after their sampled siblings)."""
 
     name = "test-random-q"
 
@@ -86,8 +86,10 @@ class RandomQTreeDrafter:
         parents = random_shape(rng, rng.choice(["chain", "cape", "bushy"]), rng.randint(1, self.max_rows))
         q = torch.zeros(len(parents), self.vocab)
         tokens = [seq.tokens[-1]]
+        point_mass_under: set[int] = set()  # parents that already have a point-mass child: sampled siblings go first
         for i in range(1, len(parents)):
-            if rng.random() < self.pm:
+            if parents[i] in point_mass_under or rng.random() < self.pm:
+                point_mass_under.add(parents[i])
                 tokens.append(rng.randrange(self.vocab))  # point mass: q row stays zero
             else:
                 q[i] = torch.distributions.Dirichlet(torch.full((self.vocab,), 0.3)).sample()

@@ -1,16 +1,16 @@
-"""Run the Triton kernels on CPU through the interpreter.
+"""Kernel tests run on the device the kernels were built for.
 
-Triton decides interpreter vs compiler when a kernel is decorated with @triton.jit, i.e.
-when `kernels` is first imported, so this must run before any test module imports it.
-setdefault lets a GPU run override it with TRITON_INTERPRET=0.
+Triton decides interpreter vs compiler when a kernel is decorated, i.e. when `kernels` is first imported. The choice
+is made once, in tests/conftest.py (loaded before any test module): the interpreter only where there is no CUDA
+device, unless TRITON_INTERPRET is set explicitly. This file only reads that choice; it never sets it, since by the
+time it loads other test modules may already have imported the kernels.
 """
-
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +20,9 @@ def _seed():
 
 @pytest.fixture
 def device():
-    """cpu under the interpreter; cuda when run with TRITON_INTERPRET=0 on a GPU box."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    """cpu under the interpreter; cuda when the kernels are compiled."""
+    if INTERPRETED:
         return "cpu"
     if not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET is off and there is no CUDA device")
+        pytest.skip("TRITON_INTERPRET=0 and there is no CUDA device")
     return "cuda"

@@ -90,3 +90,16 @@ def test_validation_errors(device):
     if device == "cpu":
         with pytest.raises(ValueError, match="src_rows"):
             kv_compact(k, v, 0, torch.tensor([300]), 0)
+
+
+def test_device_matches_how_the_kernels_were_built(device):
+    """The fixture's device is the one the kernels were decorated for (interpreted on CPU, compiled on CUDA), so a GPU
+    run tests compiled kernels on CUDA tensors rather than falling back to CPU."""
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ta = importlib.import_module("kernels.tree_attention")  # the package re-exports a function of that name
+    kc = importlib.import_module("kernels.kv_compact")
+    for kernel in (ta._tree_attention_kernel, kc._kv_compact_kernel):
+        assert isinstance(kernel, InterpretedFunction) == (device == "cpu")

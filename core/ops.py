@@ -1,0 +1,134 @@
+"""Model vocabulary shared by the target model and the drafters: the Llama config, RoPE, RMSNorm, the linear layer
+with its CPU kernel choice, and the serving dtype table.
+
+Both ``server.engine.model`` (the target) and the drafters' own networks (``drafters.glide.model``) build on these, so
+a drafter's RoPE or norm is the target's, bit for bit, without either side importing the other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Serving dtypes by config name.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "LlamaArgs":
+        if c.get("model_type", "llama") != "llama" or c.get("attention_bias") \
+                or c.get("mlp_bias"):
+            raise ValueError(f"unsupported architecture: model_type={c.get('model_type')!r} "
+                             "(a Llama-family decoder without biases is supported)")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}")
+        rope = dict(c.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        n_heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"], num_heads=n_heads,
+            num_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies [D/2] with the model's rope scaling (default, linear, llama3), as in transformers."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling
+    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(s["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+class Rope(nn.Module):
+    """cos/sin tables [max_len, D] (halves duplicated, transformers' rotate_half layout), built once in float32.
+
+    ``sin`` has rotate_half's sign folded in (first half negated): x * cos + roll(x, D/2) * sin is then the same
+    products as transformers' x * cos + rotate_half(x) * sin, bit for bit (negation is exact), in fewer ops.
+    """
+
+    def __init__(self, args: LlamaArgs, max_len: int):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))  # [S, D/2]
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos(), persistent=False)  # [S, D]
+        self.register_buffer("sin", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)  # [S, D]
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, D] for positions [T], cast once per forward (as transformers casts them)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, D] at absolute positions [T]."""
+        return apply_rope(x, *self.table(positions, x.dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with Rope.table's cos and signed sin [T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' order of operations (normalize in float32, cast back, then scale), so float32 matches it bit for
+    # bit; F.rms_norm computes x * rsqrt(mean(x^2) + eps) like transformers, in fewer Python-level ops.
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ weight[out, in].T -> [T, out].
+
+    CPU kernel choice, measured on the default model (bf16, 2 cores; see tests/engine/test_perf_paths.py):
+    - one row (decode): torch.mv, ~1.4x faster than addmm with M = 1 in bfloat16, same bits in float32;
+    - bfloat16, 2..64 rows (draft verification, short prompts): weight @ x.T, ~1.4x faster than F.linear even with
+      the transposing copy (oneDNN's x @ W.T is slow for small M; past ~100 rows it wins again);
+    - more rows, or float32: F.linear.
+    In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count (F.linear only up to 32
+    rows), so a verified draft row gets exactly the logits and KV a decode step would.
+    """
+    T = x.shape[0]
+    if T == 1:
+        return torch.mv(weight, x[0]).unsqueeze(0)
+    if x.dtype == torch.bfloat16 and T <= 64 and x.device.type == "cpu":
+        return torch.mm(weight, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
+    return F.linear(x, weight)

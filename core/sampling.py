@@ -1,0 +1,73 @@
+"""A request's sampling parameters, the target distribution they define, and the request's seeded generator.
+
+The engine's acceptance rule and every drafter's sampling code share these, so a drafter's q and the engine's p are
+shaped by one function.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Temperatures below this decode greedily (as vLLM does): logits / 1e-38 overflows float32 to inf, and softmax of
+# that is NaN. At 1e-5 the distribution is already a point mass on the argmax for any logit gap above ~1e-3.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE (0 included) = greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError("temperature must be finite and >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p (vLLM's order).
+
+    Only for sampled requests (``not sp.greedy``): greedy requests take the argmax.
+    """
+    if sp.greedy:
+        raise ValueError(f"temperature {sp.temperature} decodes greedily; there is no distribution to sample")
+    x = logits.float() / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[-1]:
+        kth = torch.topk(x, sp.top_k, dim=-1).values[:, -1:]  # [N, 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum - sorted_x.softmax(-1) >= sp.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return x.softmax(-1)
+
+
+def request_generator(sampling: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator:
+    """A generator for one request: seeded from its ``seed`` or at random when it has none.
+
+    ``offset`` names an independent stream of the same request (0: the engine's acceptance; a drafter takes its own):
+    it is hashed with the seed, so a drafter's stream of request ``seed`` is never another request's acceptance
+    stream (``seed + offset`` made request s's drafter draws request s + 1's acceptance draws).
+    """
+    gen = torch.Generator(device=device)
+    seed = sampling.seed
+    if seed is None:
+        seed = int(torch.randint(2**62, ()).item())
+    elif offset:
+        digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**64; keep it positive
+    gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,291 @@
+"""Sampled exactness through every real drafter's own sampling code (tiny random Llama target, random drafter weights).
+
+For each registered drafter but `none`, an Engine on the tiny random target (float32, CPU) runs the drafter the
+registry builds from a config -- its own prefill / propose / observe code -- with randomly initialised weights where
+it has a model: a random GLIDE network (also the cascade's reviewer) over a random subset of the vocabulary, and a
+random Max-Gram bigram table. Each case samples K tokens after a prompt from many independent requests (one request
+seed each) at temperature > 0, some with top-k / top-p. The drafter's quality does not matter; its code path does.
+
+The reference is computed without the code under test: transformers' own LlamaForCausalLM forward on the same saved
+weights (float64), this file's own temperature -> top-k -> top-p (vLLM's order, from the definitions), and every one
+of the V**K continuations enumerated. A chi-square test compares the sampled K-token sequences with it.
+
+The draws must go through the speculative path, not only the bonus token: every case asserts that drafts were
+proposed and accepted, also at depth 2, and, where the drafter makes them, that its trees carried draft
+distributions q and sibling branches and that a non-first sibling was accepted. Negative controls (power): with
+acceptance broken to take the first child all the way down, the same check fails for every drafter; and the subtler
+classic bug (a rejection leaves p as it was: later siblings and the bonus see p, not the residual) fails it too,
+through glide-cape, whose trees hold both q rows and point-mass siblings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import server.engine.engine as engine_module
+from core.sampling import SamplingParams
+from drafters.base import drafter_names
+from server.config import config_from_dict
+from server.engine.engine import Engine, load_target
+from tests.conftest import chi2_pvalue
+
+V = 16                              # the tiny target's vocabulary (tests/conftest.py: write_tiny_llama)
+PROMPT = [3, 7, 1, 12, 5, 9, 3, 7]  # with repeats, for n-gram / Max-Gram matches
+K = 3                               # tokens per request: the first from prefill, then speculative steps
+N = 6000                            # requests per drafter
+N_CONTROL = 1500                    # requests per negative control (a quarter of N: it must fail even so)
+GLIDE_VOCAB = 12                    # GLIDE's LM head keeps a random 12 of the 16 tokens (its vocab_ids path)
+SEED_STRIDE = 1000  # request seeds far apart (independent requests; drafters hash their own streams from them)
+
+
+@dataclass(frozen=True)
+class Case:
+    options: dict             # the drafter's config options ("{glide}" / "{bigram}": the random weights' files)
+    sampling: SamplingParams  # the request's shaping (the seed is set per request)
+    expects: tuple[str, ...] = ()  # "q": trees carry draft distributions; "siblings": branching trees
+
+
+# One case per registered drafter (but `none`); a drafter added to the registry needs one here (see the last test).
+CASES: dict[str, Case] = {
+    "ngram": Case({"num_tokens": 4, "max_ngram": 3, "min_ngram": 1}, SamplingParams(temperature=0.7)),
+    # GLIDE's cases sample at lower entropy (fewer cells, more power against a q that is not the one the token was
+    # drawn from; a mild misreport such as q**1.25 renormalised still needs several times N to be caught reliably)
+    "glide": Case({"checkpoint": "{glide}", "gamma": 3}, SamplingParams(temperature=0.6, top_p=0.8), ("q",)),
+    "glide-cape": Case({"checkpoint": "{glide}", "gamma": 3, "max_rows": 10}, SamplingParams(temperature=0.6, top_k=6),
+                       ("q", "siblings")),
+    "maxgram": Case({"bigram": "{bigram}", "num_tokens": 4}, SamplingParams(temperature=0.9, top_k=10, top_p=0.95)),
+    "cascade": Case({"checkpoint": "{glide}", "bigram": "{bigram}", "k": [[2, 4], [4]], "max_rows": 12},
+                    SamplingParams(temperature=0.7, top_k=8, top_p=0.9), ("siblings",)),
+}
+
+
+# -- the reference: transformers' forward + this file's own sampling transforms ---------------------------------------
+def shaped_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """[..., V] logits -> float64 probabilities after temperature, top-k, then top-p (keep the smallest set of most
+    likely tokens whose mass reaches top_p), written from the definitions."""
+    x = logits.astype(np.float64) / sp.temperature
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    flat, out = p.reshape(-1, p.shape[-1]), np.zeros(p.size).reshape(-1, p.shape[-1])
+    for row, pr in enumerate(flat):
+        order = np.argsort(-pr, kind="stable")
+        keep = order[:sp.top_k] if sp.top_k else order
+        mass = pr[keep] / pr[keep].sum()
+        if sp.top_p < 1.0:
+            keep = keep[:int(np.searchsorted(np.cumsum(mass), sp.top_p)) + 1]
+        out[row, keep] = pr[keep] / pr[keep].sum()
+    return out.reshape(p.shape)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny_dir) -> np.ndarray:
+    """[V, V, K, V] float64 logits: [a, b, j] = transformers' logits after PROMPT + [a, b][:j]."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float64).eval()
+    ids = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+    with torch.no_grad():
+        logits = hf(ids, use_cache=False).logits[:, len(PROMPT) - 1:]  # [V*V, 3, V]
+    assert K == 3
+    return logits.view(V, V, K, V).numpy()
+
+
+def reference_joint(reference_logits: np.ndarray, sp: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] after PROMPT, under the request's shaping."""
+    p = shaped_probs(reference_logits, sp)
+    p1, p2, p3 = p[0, 0, 0], p[:, 0, 1], p[:, :, 2]  # p(t1); p(t2 | t1) [V, V]; p(t3 | t1, t2) [V, V, V]
+    return torch.from_numpy(p1[:, None, None] * p2[:, :, None] * p3)
+
+
+# -- the system under test ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    # Tens of thousands of tiny forwards: one thread avoids OpenMP spin/wake costs that dominate such small ops.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_target(_config(tiny_dir), progress=False)
+    torch.set_num_threads(threads)
+
+
+def _config(tiny_dir, drafter: dict | None = None):
+    return config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+                             "cache": {"num_slots": 1, "max_seq_len": 32}, "drafter": drafter or {}})
+
+
+@pytest.fixture(scope="module")
+def weight_files(target, tmp_path_factory) -> dict[str, str]:
+    """A randomly initialised GLIDE checkpoint and a random bigram table for the tiny target, saved where the drafters
+    load them from (their `checkpoint` / `bigram` options)."""
+    from drafters.cascade.maxgram import save_bigram
+    from drafters.glide.model import GlideConfig, GlideModel
+
+    d = tmp_path_factory.mktemp("random-drafters")
+    gen = torch.Generator().manual_seed(1234)
+    glide = GlideModel(GlideConfig.for_target(target.args, target.model_id, vocab_subset=GLIDE_VOCAB))
+    glide.vocab_ids = torch.randperm(V, generator=gen)[:GLIDE_VOCAB]
+    with torch.no_grad():  # random weights large enough that GLIDE's q depends on the context and differs from p
+        for p in glide.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    glide.save(d / "glide.safetensors", {"note": "random weights, for tests"}, dtype=torch.float32)
+    save_bigram(d / "bigram.safetensors", torch.randint(0, V, (V,), generator=gen), target.model_id)
+    return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors")}
+
+
+def make_engine(tiny_dir, target, weight_files, name: str) -> Engine:
+    """An engine whose drafter the registry builds from the config, as `specserve` does."""
+    options = {k: v.format(**weight_files) if isinstance(v, str) else v for k, v in CASES[name].options.items()}
+    engine = Engine(_config(tiny_dir, {"name": name, name: options}), target=target)
+    assert engine.drafter.name == name
+    return engine
+
+
+@dataclass
+class Coverage:
+    """What the acceptance calls saw: proof that the draws went through the speculative path."""
+
+    steps: int = 0
+    draft_rows: int = 0
+    accepted: int = 0
+    deep_accepts: int = 0      # steps that accepted >= 2 draft tokens
+    q_rows: int = 0            # draft rows handed over with a draft distribution
+    sibling_trees: int = 0     # trees where some node has more than one child
+    later_sibling_accepts: int = 0  # accepted rows that were not their parent's first child
+
+    def record(self, tree, rows: list[int]) -> None:
+        children = tree.children()
+        self.steps += 1
+        self.draft_rows += tree.num_draft
+        self.accepted += len(rows) - 1
+        self.deep_accepts += len(rows) >= 3
+        if tree.q is not None:
+            self.q_rows += int((tree.q[1:].sum(-1) > 0).sum())
+        self.sibling_trees += any(len(c) > 1 for c in children)
+        self.later_sibling_accepts += sum(children[tree.parents[r]][0] != r for r in rows[1:])
+
+
+def seed_base(name: str, control: int = 0) -> int:
+    """Each case and control its own request seeds (cases sharing seeds would share their draws)."""
+    return 1 + 10 * sorted(CASES).index(name) + 3 * control
+
+
+def sample_joint(engine: Engine, sp: SamplingParams, n: int, seed0: int) -> torch.Tensor:
+    """Counts [V, V, V] of the K tokens generated after PROMPT by n independent requests (seeds seed0 + i * stride)."""
+    counts = torch.zeros(V, V, V)
+    for i in range(n):
+        seq = engine.add(PROMPT, dataclasses.replace(sp, seed=seed0 + i * SEED_STRIDE), max_new_tokens=K)
+        try:
+            engine.prefill(seq)
+            while seq.finish_reason is None:
+                engine.step(seq)
+        finally:
+            engine.release(seq)
+        assert seq.num_generated == K
+        counts[tuple(seq.output_ids)] += 1
+    return counts
+
+
+def recording(accept, coverage: Coverage):
+    def wrapped(tree, probs, generator):
+        rows, tokens = accept(tree, probs, generator)
+        coverage.record(tree, rows)
+        return rows, tokens
+    return wrapped
+
+
+def accept_first_children(tree, probs, generator):
+    """A broken rule: accept the first child at every node, then draw the bonus from p at the leaf."""
+    children = tree.children()
+    rows, node = [0], 0
+    while children[node]:
+        node = children[node][0]
+        rows.append(node)
+    bonus = int(torch.multinomial(probs[node], 1, generator=generator).item())
+    return rows, [tree.tokens[r] for r in rows[1:]] + [bonus]
+
+
+def accept_without_residual(tree, probs, generator):
+    """A broken rule: siblings are tried with min(1, p/q) as they should, but a rejection leaves p as it was, so the
+    next sibling and the bonus token see p instead of the residual."""
+    children, q = tree.children(), tree.q
+    rows, tokens, node = [0], [], 0
+    while True:
+        p, accepted = probs[node], None
+        for c in children[node]:
+            x = tree.tokens[c]
+            qx = float(q[c, x]) if q is not None and float(q[c].sum()) > 0 else 1.0  # point mass: q(x) = 1
+            if float(torch.rand((), generator=generator)) * qx < float(p[x]):
+                accepted = c
+                break
+        if accepted is None:
+            return rows, tokens + [int(torch.multinomial(p, 1, generator=generator).item())]
+        rows.append(accepted)
+        tokens.append(tree.tokens[accepted])
+        node = accepted
+
+
+# -- the tests ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sampling_through_the_drafter_matches_the_target(name, tiny_dir, target, weight_files, reference_logits,
+                                                         monkeypatch):
+    case = CASES[name]
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    cov = Coverage()
+    monkeypatch.setattr(engine_module, "accept_sampling", recording(engine_module.accept_sampling, cov))
+    t0 = time.perf_counter()
+    counts = sample_joint(engine, case.sampling, N, seed_base(name))
+    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, case.sampling))
+    print(f"\n{name}: p = {pvalue:.4g} over {N} requests in {time.perf_counter() - t0:.1f} s; {cov}")
+    # the speculative path really ran: drafts proposed and accepted, also two deep (rare for `ngram`, whose most recent
+    # match here sits near the end of the text, so its drafts are mostly one token long)
+    assert cov.draft_rows >= cov.steps // 2 and cov.accepted >= N // 20 and cov.deep_accepts > 0, cov
+    if "q" in case.expects:  # sampled chain tokens come with the distribution they were drawn from
+        assert cov.q_rows >= cov.steps, cov
+    if "siblings" in case.expects:  # trees branch, and acceptance goes past a rejected first child
+        assert cov.sibling_trees >= cov.steps // 2 and cov.later_sibling_accepts >= N // 100, cov
+    assert pvalue > 1e-3, f"{name}: sampled continuations do not follow the target's distribution (p = {pvalue:.3g})"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_negative_control_accepting_first_children_is_caught(name, tiny_dir, target, weight_files, reference_logits,
+                                                             monkeypatch):
+    """If the drafts were never proposed, or never reached the output, this broken rule would pass unnoticed."""
+    case = CASES[name]
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    monkeypatch.setattr(engine_module, "accept_sampling", accept_first_children)
+    counts = sample_joint(engine, case.sampling, N_CONTROL, seed_base(name, control=1))
+    joint = reference_joint(reference_logits, case.sampling)
+    impossible = int(counts[joint == 0].sum())
+    if impossible:  # drafted tokens the target never samples (top-k / top-p): chi2_pvalue fails on them outright
+        with pytest.raises(AssertionError, match="probability zero"):
+            chi2_pvalue(counts, joint)
+    pvalue = chi2_pvalue(counts * (joint > 0), joint)  # and the chi-square alone, on the other continuations
+    print(f"\n{name} (first children): p = {pvalue:.3g}; {impossible} of {N_CONTROL} with target probability 0")
+    assert pvalue < 1e-6
+
+
+def test_negative_control_bonus_from_p_instead_of_the_residual_is_caught(tiny_dir, target, weight_files,
+                                                                         reference_logits, monkeypatch):
+    """The classic bug, subtler than the above: rejections never update p, so later siblings and the bonus token see
+    the node's whole distribution instead of the residual (through q rows and point-mass siblings alike)."""
+    name = "glide-cape"
+    monkeypatch.setattr(engine_module, "accept_sampling", accept_without_residual)
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    sp = CASES[name].sampling
+    counts = sample_joint(engine, sp, N_CONTROL, seed_base(name, control=2))
+    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, sp))
+    print(f"\n{name} (no residual): p = {pvalue:.3g}")
+    assert pvalue < 1e-6
+
+
+def test_every_registered_drafter_has_a_case():
+    """New drafters join this test as they land: each needs a Case (options with random weights) above."""
+    missing = sorted(set(drafter_names()) - {"none"} - set(CASES))
+    assert not missing, f"drafters without a sampled-exactness case in {Path(__file__).name}: {missing}"
+    assert set(CASES) <= set(drafter_names()), "a case for a drafter that is no longer registered"
