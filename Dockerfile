@@ -81,7 +81,8 @@ c = load_config('deploy/configs/docker.yaml'); print(resolve_model(c.model.sourc
 
 EXPOSE 8000
 
-# /health: 200 while the worker answers a probe between two steps (it waits up to 10 s for it), else 503.
+# /health: 200 while the worker answers a probe (at once, even mid-prefill) and has not spent 10 s or more in one
+# prefill or step, else 503.
 HEALTHCHECK --interval=15s --timeout=12s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=11).status != 200)"]
 

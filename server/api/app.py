@@ -29,7 +29,6 @@ class ServerState:
     stop_token_ids: list[int]
     api_key: str | None
     created: int
-    draining: bool = False
 
 
 class OutcomeMiddleware:
@@ -73,7 +72,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         state.worker.attach(asyncio.get_running_loop())
         yield
-        state.draining = True
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server with lossless speculative decoding")

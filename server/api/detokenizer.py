@@ -36,11 +36,6 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    @property
-    def token_ids(self) -> list[int]:
-        """Every id added so far."""
-        return self._ids
-
     def add(self, token_ids: list[int]) -> str:
         """Append ``token_ids``; return the text that became final (possibly "")."""
         if not token_ids:
@@ -82,7 +77,9 @@ class StopStringMatcher:
         self.stops = list(dict.fromkeys(stops))
         self._firsts = frozenset(s[0] for s in self.stops)
         self._held = ""
+        self._offset = 0  # where `_held` starts in the whole text fed so far
         self.stopped = False
+        self.end: int | None = None  # once stopped: the end of the stop string in the whole text fed
 
     def _pending_start(self, text: str, before: int) -> int:
         """The first index < ``before`` where ``text`` ends in a proper prefix of some stop, else ``before``."""
@@ -98,6 +95,11 @@ class StopStringMatcher:
         found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         return min(found) if found else -1
 
+    def _stop_at(self, buf: str, match: int) -> None:
+        # of the stops that start at `match`, the shortest is the one that completed first
+        self.end = self._offset + match + min(len(s) for s in self.stops if buf.startswith(s, match))
+        self._held, self.stopped = "", True
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Add generated ``text``; return (text safe to emit now, whether a stop string was reached). After a stop,
         everything further is swallowed."""
@@ -110,9 +112,10 @@ class StopStringMatcher:
         end = len(buf) if match < 0 else match
         hold = self._pending_start(buf, end)
         if match >= 0 and hold == match:  # nothing earlier can still turn into a stop
-            self._held, self.stopped = "", True
+            self._stop_at(buf, match)
             return buf[:match], True
         self._held = buf[hold:]
+        self._offset += hold
         return buf[:hold], False
 
     def finish(self) -> str:
@@ -120,9 +123,11 @@ class StopStringMatcher:
         one was still possible (``stopped`` then becomes True)."""
         if self.stopped:
             return ""
-        buf, self._held = self._held, ""
+        buf = self._held
         match = self._first_match(buf)
         if match >= 0:
-            self.stopped = True
+            self._stop_at(buf, match)
             return buf[:match]
+        self._held = ""
+        self._offset += len(buf)
         return buf

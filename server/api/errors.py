@@ -7,7 +7,8 @@ OpenAI's:
 - ``authentication_error``: missing or wrong API key (401);
 - ``permission_error``: 403;
 - ``rate_limit_error``: 429;
-- ``server_error``: our fault or temporary (500, and 503 with code ``service_unavailable`` and a ``Retry-After``).
+- ``server_error``: our fault or temporary (500; 503 when the waiting queue is full, code ``queue_full`` with a
+  ``Retry-After``, or when the worker is not running, code ``worker_unavailable``).
 
 ``param`` names the offending request field as a dotted path (``messages.0.content``) or is null; ``code`` is a
 short machine-readable reason (``invalid_json``, ``invalid_api_key``, ``request_too_large``, ...) or null.
@@ -64,11 +65,6 @@ class APIError(Exception):
 
     def to_response(self) -> JSONResponse:
         return JSONResponse(self.to_body(), status_code=self.status, headers=self.headers or None)
-
-    @classmethod
-    def unavailable(cls, message: str, retry_after: int = 1) -> "APIError":
-        """503: overloaded or not ready (yet); clients should retry after ``retry_after`` seconds."""
-        return cls(503, message, code="service_unavailable", headers={"Retry-After": str(max(int(retry_after), 0))})
 
 
 # -- exception handlers ------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""OpenAI request and response shapes (pydantic v2), and the mapping from a request to internal sampling parameters.
+"""OpenAI request shapes and the models list (pydantic v2), and the mapping from a request to internal sampling
+parameters.
 
 Requests are validated strictly: numbers are never coerced from strings or booleans, floats must be finite, and no
 string may contain NUL or a lone surrogate (neither survives tokenization). A parameter the server cannot honour
@@ -13,11 +14,9 @@ whose messages are complete sentences.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import (StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_serializer, model_validator)
+from pydantic import StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOPS = 4
@@ -109,10 +108,6 @@ class ChatMessage(_Request):
                 raise _invalid(f"Content part {i} needs a string `text`.")
             texts.append(_clean_text(text, "Message content"))
         return "\n".join(texts)
-
-    def text(self) -> str:
-        """The message's text (``content``, already flattened from parts)."""
-        return self.content
 
 
 class _SamplingRequest(_Request):
@@ -257,136 +252,12 @@ def sampling_from(req: _SamplingRequest) -> dict[str, Any]:
 
 
 # -- responses ---------------------------------------------------------------------------------------------------
-FinishReason = Literal["stop", "length"]
-_USAGE_EXTENSIONS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length")
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class Usage(BaseModel):
-    """Token counts, plus our speculative-decoding figures (extensions; omitted from JSON when unknown).
-    ``total_tokens`` is filled in when not given."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    drafter: str | None = None
-    draft_tokens: int | None = None
-    accepted_tokens: int | None = None
-    verify_steps: int | None = None
-    mean_accepted_length: float | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _total(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("total_tokens") is None:
-            data = {**data, "total_tokens": data.get("prompt_tokens", 0) + data.get("completion_tokens", 0)}
-        return data
-
-    @model_serializer(mode="wrap")
-    def _drop_unknown_extensions(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        for key in _USAGE_EXTENSIONS:
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class _Chunk(BaseModel):
-    """A streamed chunk. ``usage`` appears in the JSON only when set explicitly: pass ``usage=None`` on every chunk
-    of a stream that asked for ``include_usage`` (OpenAI sends ``"usage": null`` then), leave it out otherwise."""
-
-    @model_serializer(mode="wrap")
-    def _usage_only_when_set(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if "usage" not in self.model_fields_set:
-            out.pop("usage", None)
-        return out
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: FinishReason | None = None  # serialized as null until the last content chunk
-    logprobs: None = None
-
-
-class ChatCompletionChunk(_Chunk):
-    """All chunks of one stream share ``id`` and ``created``: build the first and pass them on."""
-
-    id: str = Field(default_factory=lambda: _id("chatcmpl"))
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice] = []
-    usage: Usage | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: FinishReason | None = None
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class CompletionChunk(_Chunk):
-    id: str = Field(default_factory=lambda: _id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice] = []
-    usage: Usage | None = None
-
-
+# Completions and chunks are built as plain dicts in routes.py (the e2e tests parse them with the openai client);
+# only /v1/models uses a response model, which also documents it in the OpenAPI schema.
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "specserve"
 
 

@@ -16,6 +16,7 @@ from server.api.protocol import (ChatCompletionRequest, CompletionRequest, Model
 from server.tokenization import encode_chat, encode_text
 
 router = APIRouter()
+STUCK_S = 10.0  # /health: a worker this long inside one prefill or step (or this long silent) is unhealthy
 
 
 def _state(request: Request):
@@ -37,10 +38,8 @@ def _check_model(s, model: str) -> None:
 
 
 def _prepare(s, prompt_ids: list[int], sampling: dict) -> Generation:
-    """Context checks, admission control, and submission to the worker."""
-    if s.draining:
-        raise APIError(503, "the server is shutting down", "server_error", None, "shutting_down",
-                       headers={"Retry-After": "5"})
+    """Context checks, admission control, and submission to the worker. (No check for a draining server: on SIGTERM
+    uvicorn closes the listening socket and every idle connection first, so no new request reaches a route.)"""
     if not s.worker.alive:
         raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
     ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
@@ -64,10 +63,12 @@ def _prepare(s, prompt_ids: list[int], sampling: dict) -> Generation:
     return gen
 
 
-async def _collect(request: Request, gen: Generation) -> str | None:
-    """Run a non-streaming generation to the end; None if the client went away (the request is aborted)."""
-    async def consume() -> str:
-        return "".join([d.text async for d in gen.deltas()])
+async def _collect(request: Request, gen: Generation) -> tuple[str, dict] | None:
+    """Run a non-streaming generation to the end: (text, usage); None if the client went away (the request is
+    aborted)."""
+    async def consume() -> tuple[str, dict]:
+        text = "".join([d.text async for d in gen.deltas()])
+        return text, await gen.usage()
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -110,7 +111,7 @@ def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], inclu
                 if d.finish_reason:
                     yield _sse(chunk({} if first is not None else "", d.finish_reason))
             if include_usage:
-                yield _sse(chunk(None, None, usage=gen.usage()))
+                yield _sse(chunk(None, None, usage=await gen.usage()))
             yield "data: [DONE]\n\n"
             state["outcome"] = "completed"
         except APIError as e:
@@ -140,21 +141,21 @@ async def _respond(request: Request, req, gen: Generation, chat: bool):
     if req.stream:
         return _stream(request, gen, chunk, req.include_usage,
                        first={"role": "assistant", "content": ""} if chat else None)
-    text = await _collect(request, gen)
-    if text is None:
+    result = await _collect(request, gen)
+    if result is None:
         return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
+    text, usage = result
     choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": gen.usage()}
+            "usage": usage}
 
 
 @router.post("/v1/chat/completions", tags=["completions"])
 async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth):
     s = _state(request)
     _check_model(s, req.model)
-    messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
-    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages)
+    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, req.template_messages())
     return await _respond(request, req, _prepare(s, prompt_ids, sampling_from(req)), chat=True)
 
 
@@ -181,11 +182,15 @@ async def models(request: Request, _: Auth):
 
 @router.get("/health", tags=["ops"])
 async def health(request: Request):
+    """200 while the worker is alive, answers a probe (its reader thread does, at once, even mid-prefill) and has not
+    been inside one prefill or step for STUCK_S seconds or more; else 503."""
     s = _state(request)
-    if s.worker.alive and await s.worker.ping(timeout=10.0):
+    pong = await s.worker.ping(timeout=STUCK_S) if s.worker.alive else None
+    if pong is not None and s.worker.alive and pong.busy_s < STUCK_S:
         return {"status": "ok", "worker": "alive", "worker_pid": s.worker.process.pid}
-    return JSONResponse({"status": "unhealthy", "worker": "dead" if s.worker.dead else "not answering"},
-                        status_code=503)
+    state = ("dead" if s.worker.dead else "not answering" if pong is None
+             else f"stuck in one prefill or step for {pong.busy_s:.0f} s")
+    return JSONResponse({"status": "unhealthy", "worker": state}, status_code=503)
 
 
 @router.get("/metrics", tags=["ops"])

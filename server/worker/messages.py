@@ -22,6 +22,8 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """Drop the request (client gone, or a stop string matched); the worker answers with `Aborted` if it held it."""
+
     request_id: str
 
 
@@ -30,7 +32,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 
 class Ping(msgspec.Struct, tag="ping", frozen=True):
-    """Health probe; the worker answers between two steps."""
+    """Health probe; the worker's reader thread answers at once, even in the middle of a prefill or a step."""
 
     request_id: str
 
@@ -71,8 +73,17 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
     kind: str = "invalid_request_error"  # or "server_error", or "overloaded" (queue full)
 
 
+class Aborted(msgspec.Struct, tag="aborted", frozen=True):
+    """The answer to an `Abort` of a request the worker held: its speculative stats so far (None if it was still
+    waiting). A request the worker had already finished gets no answer: its finishing `Tokens` went out before."""
+
+    request_id: str
+    usage: dict[str, float | int | str] | None = None
+
+
 class Pong(msgspec.Struct, tag="pong", frozen=True):
     request_id: str
+    busy_s: float = 0.0  # how long the scheduler has been inside its current prefill or step (0: between two)
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
@@ -84,7 +95,7 @@ class Status(msgspec.Struct, tag="status", frozen=True):
 
 
 ToWorker = Generate | Abort | Shutdown | Ping
-FromWorker = Ready | Tokens | Failed | Status | Pong
+FromWorker = Ready | Tokens | Failed | Aborted | Status | Pong
 
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)

@@ -1,8 +1,15 @@
 """The worker process (owns the engine and the accelerator) and its client in the API process.
 
 They talk over an anonymous pipe pair created by ``multiprocessing`` (no socket, nothing reachable off the machine),
-carrying only the msgpack structs of ``server.worker.messages``. The API side reads the pipe on one thread and hands
-each message to the asyncio loop; requests get an ``asyncio.Queue`` of worker messages each.
+carrying only the msgpack structs of ``server.worker.messages``. Neither side ever blocks on the pipe where it must
+stay responsive:
+
+- API process: the asyncio loop only puts encoded messages on a queue; a writer thread sends them (a burst of long
+  prompts can be more bytes than the pipe buffers, and a worker busy in a prefill, or frozen, does not read). A reader
+  thread receives and hands each message to the loop; requests get an ``asyncio.Queue`` of worker messages each.
+- Worker process: a reader thread receives every message at once, answers health probes itself (with how long the
+  scheduler has been in its current prefill or step, so a stuck engine still shows) and queues the rest for the
+  scheduler, which handles them between two prefills and between two steps.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
 import uuid
@@ -33,31 +41,64 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     if os.environ.get("SPECSERVE_WORKER_THREADS"):
         torch.set_num_threads(int(os.environ["SPECSERVE_WORKER_THREADS"]))
     engine = Engine(cfg)
+    send_lock = threading.Lock()  # the scheduler and the reader thread (pongs) both send
 
     def send(msg: m.FromWorker) -> None:
-        conn.send_bytes(m.encode(msg))
+        data = m.encode(msg)
+        with send_lock:
+            conn.send_bytes(data)
 
     a = engine.model.args
     send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, cfg.cache.num_slots,
                  a.vocab_size, str(engine.device), cfg.model.dtype))
     sched = Scheduler(engine, send, cfg.server.max_waiting)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
+    threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
+                     daemon=True).start()
 
     def poll(timeout: float = 0.0) -> None:
-        while conn.poll(timeout):
-            sched.handle(m.decode_to_worker(conn.recv_bytes()))
-            timeout = 0.0
+        """Handle every queued message (wait up to `timeout` seconds for the first), then update the gauges."""
+        try:
+            item = inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, BaseException):
+                raise item
+            sched.handle(item)
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                break
+        sched.status()  # queued / aborted requests show at once, not after a whole admission round
 
     try:
         while not (sched.stopping and sched.idle):
             poll(0.0 if not sched.idle else 0.05)
             if sched.stopping and sched.idle:
                 break
-            sched.admit()
+            sched.admit(poll)
             sched.status()  # admissions show in the gauges before the first step
             sched.step_all(poll)
             sched.status()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("API process went away; worker exits")
+
+
+def _worker_reader(conn: Connection, inbox: queue.SimpleQueue, busy_s: Callable[[], float],
+                   send: Callable[[m.FromWorker], None]) -> None:
+    """Worker side: drain the pipe continuously; answer probes here, queue everything else for the scheduler."""
+    try:
+        while True:
+            msg = m.decode_to_worker(conn.recv_bytes())
+            if isinstance(msg, m.Ping):
+                send(m.Pong(msg.request_id, busy_s()))
+            else:
+                inbox.put(msg)
+    except (EOFError, OSError):
+        inbox.put(EOFError("the API process closed the pipe"))
+    except Exception as e:  # a malformed message: the scheduler's thread re-raises it and the worker exits
+        inbox.put(e)
 
 
 class WorkerDied(RuntimeError):
@@ -71,13 +112,12 @@ class WorkerClient:
         self.cfg = cfg
         self.on_death = on_death
         self.ready: m.Ready | None = None
-        self.status = m.Status(0, 0, 0.0)
         self.dead = False
         self.crashed = False  # died without being told to shut down
         self._closing = False
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # encoded messages for the writer thread; None ends it
         self._listeners: list[Callable[[m.FromWorker], None]] = []
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, CUDA-safe
         self._conn, child = ctx.Pipe(duplex=True)
@@ -98,6 +138,7 @@ class WorkerClient:
         if not isinstance(msg, m.Ready):
             raise WorkerDied(f"unexpected first message from the worker: {msg!r}")
         self.ready = msg
+        threading.Thread(target=self._writer, name="specserve-worker-writer", daemon=True).start()
         return msg
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -126,16 +167,23 @@ class WorkerClient:
         except RuntimeError:  # the serving loop is already closed: we are shutting down
             self.dead = True
 
+    def _writer(self) -> None:
+        """Send queued messages in order; blocking here (a full pipe) never blocks the event loop."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):  # the worker is gone: the reader sees the pipe close and reports it
+                return
+
     def _dispatch(self, msg: m.FromWorker) -> None:
         for fn in self._listeners:
             fn(msg)
-        if isinstance(msg, m.Status):
-            self.status = msg
+        if isinstance(msg, m.Status):  # for the listeners (metrics) only
             return
         q = self._queues.get(msg.request_id)
         if q is not None:
             q.put_nowait(msg)
-            if isinstance(msg, (m.Failed, m.Pong)) or (isinstance(msg, m.Tokens) and msg.finish_reason):
+            if isinstance(msg, (m.Failed, m.Aborted, m.Pong)) or (isinstance(msg, m.Tokens) and msg.finish_reason):
                 self._queues.pop(msg.request_id, None)
 
     def _died(self) -> None:
@@ -153,13 +201,10 @@ class WorkerClient:
             self.on_death()
 
     def _send(self, msg: m.ToWorker) -> None:
+        """Queue `msg` for the writer thread (never blocks)."""
         if self.dead:
             raise WorkerDied("the worker process is not running")
-        try:
-            with self._send_lock:
-                self._conn.send_bytes(m.encode(msg))
-        except (OSError, ValueError) as e:
-            raise WorkerDied(f"cannot reach the worker: {e}") from None
+        self._outbox.put(m.encode(msg))
 
     def submit(self, req: m.Generate | m.Ping) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -171,23 +216,26 @@ class WorkerClient:
             raise
         return q
 
-    def abort(self, request_id: str) -> None:
-        if self._queues.pop(request_id, None) is not None and not self.dead:
+    def abort(self, request_id: str, final: bool = False) -> None:
+        """Tell the worker to drop the request. Nothing more is routed to its queue, unless `final`: then the queue
+        gets the worker's last word on it, `Aborted` with the stats so far or the finishing `Tokens`."""
+        held = request_id in self._queues if final else self._queues.pop(request_id, None) is not None
+        if held and not self.dead:
             try:
                 self._send(m.Abort(request_id))
             except WorkerDied:
                 pass
 
-    async def ping(self, timeout: float) -> bool:
-        """True when the worker answers a probe within ``timeout`` seconds."""
+    async def ping(self, timeout: float) -> m.Pong | None:
+        """The worker's answer to a probe, or None when none came within ``timeout`` seconds."""
         rid = new_request_id("ping")
         try:
             q = self.submit(m.Ping(rid))
-            await asyncio.wait_for(q.get(), timeout)
-            return not self.dead
+            pong = await asyncio.wait_for(q.get(), timeout)
         except (WorkerDied, asyncio.TimeoutError):
             self._queues.pop(rid, None)
-            return False
+            return None
+        return pong if isinstance(pong, m.Pong) and not self.dead else None
 
     @property
     def in_flight(self) -> int:
@@ -205,6 +253,7 @@ class WorkerClient:
                 self._send(m.Shutdown())
             except WorkerDied:
                 pass
+        self._outbox.put(None)  # the writer ends after sending what is queued
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.terminate()

@@ -177,3 +177,24 @@ def test_stop_matching_is_chunking_independent(text, stops, cuts):
     for chunk in chunks:
         emitted += matcher.feed(chunk)[0]
         assert want.startswith(emitted)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=ALPHABET, max_size=40),
+       stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), min_size=1, max_size=4),
+       cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=12))
+def test_stop_end_is_where_the_first_stop_string_ends(text, stops, cuts):
+    """`end`: the offset in the whole fed text where the stop string that cut it ends (the API counts the tokens
+    up to there)."""
+    bounds = sorted({c for c in cuts if c <= len(text)} | {0, len(text)})
+    matcher = StopStringMatcher(stops)
+    for a, b in zip(bounds, bounds[1:]):
+        if matcher.feed(text[a:b])[1]:
+            break
+    matcher.finish()
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if not found:
+        assert not matcher.stopped and matcher.end is None
+    else:
+        i = min(found)
+        assert matcher.stopped and matcher.end == i + min(len(s) for s in stops if text.startswith(s, i))

@@ -30,7 +30,7 @@ def make_app(max_bytes: int = LIMIT) -> FastAPI:
 
     @app.get("/busy")
     async def busy():
-        raise APIError.unavailable("The server is overloaded, retry soon.", retry_after=7)
+        raise APIError(503, "The server is overloaded, retry soon.", code="queue_full", headers={"Retry-After": "7"})
 
     @app.get("/bad")
     async def bad():
@@ -204,7 +204,7 @@ def test_wrong_method_is_405(client):
 
 def test_api_error_503_has_retry_after(client):
     resp = client.get("/busy")
-    err = assert_error(resp, 503, type_="server_error", code="service_unavailable")
+    err = assert_error(resp, 503, type_="server_error", code="queue_full")
     assert resp.headers["retry-after"] == "7" and "overloaded" in err["message"]
 
 

@@ -1,8 +1,10 @@
 """Faults: client disconnects, worker death, SIGTERM drain."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -10,8 +12,14 @@ import httpx
 
 from tests.server.conftest import metric, scrape, wait_balanced
 
+# No max_tokens and ignore_eos: the request runs to the context end (~480 tokens, many seconds on a CPU); it cannot
+# end by itself within the bounds below.
 LONG = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Write a very long essay."}],
-        "max_tokens": 400, "stream": True, "ignore_eos": True}
+        "stream": True, "ignore_eos": True}
+# The worker reads messages before every step, so an abort frees the slot once the step in progress ends. A step
+# takes tens of ms to a second or two on a small, busy CPU, so "within one step" is checked by counting verify steps
+# (load-independent), under a time bound well below the many seconds the request would need to end by itself.
+FREE_BOUND_S = 6.0
 
 
 def _wait(pred, timeout=20.0, step=0.1):
@@ -23,31 +31,65 @@ def _wait(pred, timeout=20.0, step=0.1):
     return False
 
 
+def _running(url) -> float:
+    return metric(scrape(url), "specserve_requests_running")
+
+
+def _verify_steps(url) -> float:
+    return metric(scrape(url), "specserve_spec_verify_steps_total")
+
+
+def assert_freed_within_one_step(url, steps_at_close: float) -> None:
+    """The client just went away: its slot is free before the worker starts another step for it."""
+    t0 = time.monotonic()
+    assert _wait(lambda: _running(url) == 0, timeout=FREE_BOUND_S, step=0.02), "the slot was not freed"
+    freed_after = time.monotonic() - t0
+    # the step running at the close, plus one whose message may have been in the pipe when we scraped
+    more = _verify_steps(url) - steps_at_close
+    assert more <= 2, (more, freed_after)
+    assert metric(scrape(url), "specserve_kv_cache_usage_ratio") == 0.0
+
+
 def test_disconnect_mid_stream_frees_the_slot(server):
     assert wait_balanced(server.url)
-    aborted = metric(scrape(server.url), "specserve_requests_total", outcome="aborted")
+    before = scrape(server.url)
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=LONG, headers=server.headers,
                       timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _wait(lambda: metric(scrape(server.url), "specserve_requests_running") == 1)
+        assert _wait(lambda: _running(server.url) == 1)
+        time.sleep(0.5)  # a few steps into its generation
     # the client has gone: within a step the worker drops the sequence and its KV slot
-    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_running") == 0)
+    assert_freed_within_one_step(server.url, _verify_steps(server.url))
     s = scrape(server.url)
-    assert metric(s, "specserve_kv_cache_usage_ratio") == 0.0
-    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") == aborted + 1)
+    generated = metric(s, "specserve_generation_tokens_total") - metric(before, "specserve_generation_tokens_total")
+    assert generated < 400  # it was cut short, far from the context end
+    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
+                 metric(before, "specserve_requests_total", outcome="aborted") + 1)
     assert wait_balanced(server.url)
 
 
 def test_disconnect_non_streaming_aborts(server):
     assert wait_balanced(server.url)
-    body = {**LONG, "stream": False}
+    before = scrape(server.url)
+    body = json.dumps({**LONG, "stream": False}).encode()
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    sock = socket.create_connection((host, int(port)))
     try:
-        httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=1.5)
-    except httpx.TimeoutException:
-        pass
-    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_running") == 0)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                     + body)
+        assert _wait(lambda: _running(server.url) == 1)
+        time.sleep(0.5)  # a few steps into its generation
+    finally:
+        sock.close()  # the client gives up waiting for the JSON reply
+    assert_freed_within_one_step(server.url, _verify_steps(server.url))
+    s = scrape(server.url)
+    generated = metric(s, "specserve_generation_tokens_total") - metric(before, "specserve_generation_tokens_total")
+    assert generated < 400
+    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
+                 metric(before, "specserve_requests_total", outcome="aborted") + 1)
     assert wait_balanced(server.url)
 
 

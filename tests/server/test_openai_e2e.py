@@ -90,6 +90,50 @@ def test_stop_strings_never_leak(client, model):
         assert text == base[:base.index(stop)]
 
 
+SPEC_FIELDS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length")
+
+
+def test_stop_string_usage_counts_the_returned_tokens_and_carries_spec_stats(client, model, tokenizer):
+    msgs = [{"role": "user", "content": "Count from 1 to 20."}]
+    kw = dict(model=model, messages=msgs, temperature=0)
+    base = client.chat.completions.create(max_tokens=40, **kw).choices[0].message.content
+    stop = base[8:12]
+    assert stop in base and len(base) > 20
+
+    # Greedy outputs of different lengths share their prefix, so the token that completes the stop string is the
+    # k-th for the smallest max_tokens k whose text contains it: guess k by re-tokenizing the text, check the guess
+    # with k and k - 1 tokens, and fall back to a binary search.
+    def has_stop(k: int) -> bool:
+        return stop in client.chat.completions.create(max_tokens=k, **kw).choices[0].message.content
+
+    ids = tokenizer(base, add_special_tokens=False)["input_ids"]
+    k = next(i for i in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:i]))
+    if not (has_stop(k) and (k == 1 or not has_stop(k - 1))):
+        lo, hi = 1, 40
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if has_stop(mid) else (mid + 1, hi)
+        k = lo
+    for stream in (False, True):
+        r = client.chat.completions.create(max_tokens=40, stop=[stop], stream=stream,
+                                           **({"stream_options": {"include_usage": True}} if stream else {}), **kw)
+        if stream:
+            parts = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            usage = parts[-1].usage
+            assert parts[-2].choices[0].finish_reason == "stop"
+        else:
+            text, usage = r.choices[0].message.content, r.usage
+            assert r.choices[0].finish_reason == "stop"
+        assert text == base[:base.index(stop)]
+        assert usage.completion_tokens == k, (stream, usage)
+        assert usage.total_tokens == usage.prompt_tokens + k
+        extra = usage.model_extra
+        assert set(SPEC_FIELDS) <= set(extra), (stream, extra)
+        assert extra["drafter"] == "ngram" and extra["verify_steps"] >= 1 and extra["mean_accepted_length"] >= 1.0
+        assert 0 <= extra["accepted_tokens"] <= extra["draft_tokens"]
+
+
 def test_seed_reproducibility(client, model):
     kw = dict(model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=20,
               temperature=1.0, top_p=0.95)
@@ -100,26 +144,36 @@ def test_seed_reproducibility(client, model):
 
 
 def test_concurrent_async_streams_all_progress(server, model):
+    """Concurrent streams interleave: each has received text before any other has finished (a server that runs
+    requests one after the other would finish the first before the others start)."""
+    loop_time = None
+
     async def run():
+        nonlocal loop_time
+        loop_time = asyncio.get_running_loop().time
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
         async def one(i):
             s = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"Write a poem number {i}."}], max_tokens=24,
-                temperature=0, stream=True)
-            n = 0
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            arrivals = []  # loop time of each chunk with text
             async for c in s:
                 if c.choices and c.choices[0].delta.content:
-                    n += 1
-            return n
+                    arrivals.append(loop_time())
+            return arrivals, loop_time()
 
-        counts = await asyncio.gather(*(one(i) for i in range(4)))
+        results = await asyncio.gather(*(one(i) for i in range(4)))
         await client.close()
-        return counts
+        return results
 
-    assert all(n > 0 for n in asyncio.run(run()))
-    samples = scrape(server.url)
-    assert metric(samples, "specserve_requests_running") == 0
+    results = asyncio.run(run())
+    first_end = min(end for _, end in results)
+    for arrivals, _ in results:
+        assert arrivals, results
+        # several chunks of every stream arrive before the first stream ends: steps alternate between requests
+        assert sum(t <= first_end for t in arrivals) >= 2, results
+    assert wait_balanced(server.url)
 
 
 def test_metrics_move_and_balance(server, client, model):

@@ -1,4 +1,5 @@
-"""OpenAI request validation, the mapping to sampling parameters, and response serialization."""
+"""OpenAI request validation, the mapping to sampling parameters, and the models list. (Completion responses are
+plain dicts built by the routes: tests/server/test_openai_e2e.py checks them with the openai client.)"""
 from __future__ import annotations
 
 import json
@@ -6,10 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from server.api.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                 ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                 CompletionChunk, CompletionRequest, CompletionResponse, ModelCard, ModelList, Usage,
-                                 sampling_from)
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -183,94 +181,8 @@ def test_missing_required_fields():
 
 
 # -- responses ---------------------------------------------------------------------------------------------------
-def test_usage_total_and_extensions():
-    plain = json.loads(Usage(prompt_tokens=3, completion_tokens=4).model_dump_json())
-    assert plain == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    spec = Usage(prompt_tokens=3, completion_tokens=4, drafter="ngram", draft_tokens=10, accepted_tokens=6,
-                 verify_steps=4, mean_accepted_length=2.5).model_dump()
-    assert spec["drafter"] == "ngram" and spec["mean_accepted_length"] == 2.5 and spec["total_tokens"] == 7
-
-
-def test_chat_response_shape():
-    body = json.loads(ChatCompletionResponse(
-        model="m", choices=[ChatChoice(message=AssistantMessage(content="hey"), finish_reason="stop")],
-        usage=Usage(prompt_tokens=1, completion_tokens=1)).model_dump_json())
-    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hey"},
-                                "finish_reason": "stop", "logprobs": None}]
-
-
-def test_chunk_shapes():
-    first = json.loads(ChatCompletionChunk(model="m", choices=[
-        ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]).model_dump_json())
-    assert first["object"] == "chat.completion.chunk" and "usage" not in first
-    assert first["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "finish_reason": None, "logprobs": None}]
-    with_null = json.loads(ChatCompletionChunk(
-        id="x", model="m", usage=None, choices=[ChatChunkChoice(delta=ChatDelta(content="a"))]).model_dump_json())
-    assert with_null["usage"] is None and with_null["choices"][0]["delta"] == {"content": "a"}
-    last = json.loads(ChatCompletionChunk(id="x", model="m", choices=[ChatChunkChoice(
-        delta=ChatDelta(), finish_reason="length")]).model_dump_json())
-    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
-    usage = json.loads(ChatCompletionChunk(id="x", model="m", choices=[],
-                                           usage=Usage(prompt_tokens=1, completion_tokens=2)).model_dump_json())
-    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
-    text = json.loads(CompletionChunk(model="m", choices=[CompletionChoice(text="t")]).model_dump_json())
-    assert text["object"] == "text_completion" and text["id"].startswith("cmpl-")
-    assert text["choices"] == [{"index": 0, "text": "t", "finish_reason": None, "logprobs": None}]
-
-
 def test_model_list_shape():
     body = json.loads(ModelList(data=[ModelCard(id="smol")]).model_dump_json())
     assert body["object"] == "list"
     assert body["data"][0]["id"] == "smol" and body["data"][0]["object"] == "model"
     assert body["data"][0]["owned_by"] == "specserve" and isinstance(body["data"][0]["created"], int)
-
-
-def _sse(*chunks) -> bytes:
-    return b"".join(b"data: " + c.model_dump_json().encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-
-
-def _sdk_client(openai, body: bytes, content_type: str):
-    import httpx
-
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body,
-                                                                   headers={"content-type": content_type}))
-    return openai.OpenAI(api_key="k", base_url="http://test/v1", http_client=httpx.Client(transport=transport))
-
-
-def test_openai_sdk_parses_our_responses():
-    openai = pytest.importorskip("openai")
-    usage = Usage(prompt_tokens=2, completion_tokens=3, drafter="eagle", draft_tokens=8, accepted_tokens=5,
-                  verify_steps=2, mean_accepted_length=3.0)
-    resp = ChatCompletionResponse(model="m", choices=[ChatChoice(message=AssistantMessage(content="x"),
-                                                                 finish_reason="length")], usage=usage)
-    client = _sdk_client(openai, resp.model_dump_json().encode(), "application/json")
-    parsed = client.chat.completions.create(model="m", messages=USER)
-    assert parsed.choices[0].message.content == "x" and parsed.usage.total_tokens == 5
-    assert parsed.usage.model_extra["drafter"] == "eagle"
-
-    first = ChatCompletionChunk(model="m", usage=None, choices=[ChatChunkChoice(delta=ChatDelta(role="assistant",
-                                                                                                content=""))])
-    chunks = [first, ChatCompletionChunk(id=first.id, created=first.created, model="m", usage=None,
-                                         choices=[ChatChunkChoice(delta=ChatDelta(content="yo"))]),
-              ChatCompletionChunk(id=first.id, model="m", usage=None,
-                                  choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason="stop")]),
-              ChatCompletionChunk(id=first.id, model="m", choices=[], usage=usage)]
-    client = _sdk_client(openai, _sse(*chunks), "text/event-stream")
-    got = list(client.chat.completions.create(model="m", messages=USER, stream=True,
-                                              stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "yo"
-    assert got[2].choices[0].finish_reason == "stop" and got[-1].usage.completion_tokens == 3
-
-    client = _sdk_client(openai, _sse(CompletionChunk(model="m", choices=[CompletionChoice(text="a")]),
-                                      CompletionChunk(model="m", choices=[CompletionChoice(text="b",
-                                                                                           finish_reason="length")])),
-                         "text/event-stream")
-    got = list(client.completions.create(model="m", prompt="x", stream=True))
-    assert [c.choices[0].text for c in got] == ["a", "b"] and got[-1].choices[0].finish_reason == "length"
-    comp = CompletionResponse(model="m", choices=[CompletionChoice(text="z", finish_reason="stop")], usage=usage)
-    client = _sdk_client(openai, comp.model_dump_json().encode(), "application/json")
-    assert client.completions.create(model="m", prompt="x").choices[0].text == "z"
-    models = ModelList(data=[ModelCard(id="m")]).model_dump_json().encode()
-    assert [m.id for m in _sdk_client(openai, models, "application/json").models.list()] == ["m"]
