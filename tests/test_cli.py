@@ -87,3 +87,20 @@ def test_model_commands_take_config_dtype_device():
                  ["train", "eval-glide", "--checkpoint", "c", "--prompts", "p"]):
         a = p.parse_args([*argv, "--config", "c.yaml", "--dtype", "float32", "--device", "cpu"])
         assert (a.config, a.dtype, a.device) == ("c.yaml", "float32", "cpu")
+
+
+def test_bench_steps_prints_the_step_cost_curve(tiny_dir, tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"model: {{source: {tiny_dir}, device: cpu}}\ncache: {{max_seq_len: 64}}\n")
+    out = tmp_path / "steps.json"
+    assert main(["bench", "steps", "--config", str(cfg), "--dtypes", "float32,bfloat16", "--quantizations",
+                 "none,int8", "--rows", "1,2,4", "--cached", "16", "--repeats", "2", "--profile", "4",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ms per target forward vs rows" in printed and "top operators, float32 int8, 4 row(s)" in printed
+    rep = json.loads(out.read_text())
+    assert [(c["dtype"], c["quantization"]) for c in rep["curves"]] == [
+        ("float32", "none"), ("float32", "int8"), ("bfloat16", "none"), ("bfloat16", "int8")]
+    for c in rep["curves"]:
+        assert set(c["ms"]) == {"1", "2", "4"} and all(v > 0 for v in c["ms"].values())
+    assert main(["bench", "steps", "--config", str(cfg), "--rows", "0,65"]) == 2

@@ -19,9 +19,9 @@ def test_overrides_and_errors():
     cfg = config_from_dict({"drafter": {"name": "ngram", "ngram": {"num_tokens": 4}}})
     assert cfg.drafter.options_for() == {"num_tokens": 4}
     over = cfg.with_overrides(drafter="none", dtype="float32")
-    assert over.drafter.name == "none" and over.model.dtype == "float32" and cfg.model.dtype == "bfloat16"
-    for bad in ({"model": {"dtype": "int8"}}, {"model": {"colour": 1}}, {"cache": {"num_slots": 0}},
-                {"extra": {}}, {"drafter": {"name": "ngram", "num_tokens": 3}}):
+    assert over.drafter.name == "none" and over.model.dtype == "float32" and cfg.model.dtype == "auto"
+    for bad in ({"model": {"dtype": "int8"}}, {"model": {"quantization": "int3"}}, {"model": {"colour": 1}},
+                {"cache": {"num_slots": 0}}, {"extra": {}}, {"drafter": {"name": "ngram", "num_tokens": 3}}):
         with pytest.raises(ConfigError):
             config_from_dict(bad)
     with pytest.raises(ConfigError, match="not found"):

@@ -10,6 +10,8 @@ Sequences are independent: the scheduler interleaves their steps.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from server.engine.acceptance import accept_greedy, accept_sampling
 from server.engine.backend import compact_kv, make_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError
 from server.engine.model import Llama
+from server.engine.quant import quantize_model
+from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
 
 
@@ -105,7 +109,8 @@ class Target:
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.lm_head.weight
+        w = self.model.lm_head.weight
+        return w if isinstance(w, torch.Tensor) else w.dequantize()  # a quantized head: the matrix it stands for
 
 
 class SeqView:
@@ -136,15 +141,38 @@ class SeqView:
 
 
 def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
-    """Build the target model from the config (converting a GGUF source once into the cache)."""
+    """Build the target model from the config (converting a GGUF source once into the cache).
+
+    ``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``).
+    """
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
-    device, dtype = resolve_device(cfg.model.device), DTYPES[cfg.model.dtype]
+    device = resolve_device(cfg.model.device)
     with torch.device("meta"):  # skip random init: every weight is loaded below
         model = Llama(args, cfg.cache.max_seq_len)
     model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    name = cfg.model.dtype
+    if name == "auto":
+        name = choose_dtype(lambda d: _measure_dtype(cfg, model, resolved, device, d), device,
+                            cfg.model.quantization, resolved.hf_dir)
+    return _build_target(model, resolved, device, name, cfg.model.quantization)
+
+
+def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
+    dtype = DTYPES[dtype_name]
+    model = model.to(device=device, dtype=dtype)
+    quantize_model(model, quantization, dtype)
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
+
+
+def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.device, dtype_name: str) -> dict:
+    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot."""
+    c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name),
+                            cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=320),
+                            drafter=dataclasses.replace(cfg.drafter, name="none"))
+    target = _build_target(copy.deepcopy(model), resolved, device, dtype_name, cfg.model.quantization)
+    return step_curve(Engine(c, target=target), AUTO_ROWS, cached=300, repeats=5)
 
 
 class Engine:

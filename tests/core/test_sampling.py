@@ -48,3 +48,11 @@ def test_drafter_streams_are_not_other_requests_acceptance_streams():
     for offset in (1, 2):
         assert not torch.equal(draws(5, offset), draws(5 + offset, 0))
         assert not torch.equal(draws(5, offset), draws(5, 0))
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-45, 1e-9])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """top_p below float32's smallest value rounds to 0 in the comparison; the best token must still be kept."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))

@@ -1,0 +1,118 @@
+"""The step-cost curve T(rows) (ms per target forward against the rows it verifies) and the serving dtype it picks.
+
+Machines differ: on a CPU with AMX (and on GPUs) bfloat16 is the fast dtype, on CPUs without it float32 can be twice
+as fast; a constant tuned on one machine is wrong on the next. ``model.dtype: auto`` therefore measures the target on
+the machine at start-up (a decode step and an 8-row verify, for each candidate dtype), serves the fastest, and caches
+the choice next to the converted weights, keyed by what it depends on (CPU model and features, torch version,
+threads, quantization), so later starts on the same machine skip the measurement.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.tree import DraftTree
+
+log = logging.getLogger("specserve.engine")
+
+AUTO_CANDIDATES = ("bfloat16", "float32")  # float16 matmuls have no fast CPU path here; CUDA takes bfloat16 directly
+AUTO_ROWS = (1, 8)  # the dtype is scored by T(1) + T(8): plain decoding and a typical draft verify, alike
+CHOICE_FILE = "serving-dtype.json"
+
+
+def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0) -> dict[int, float]:
+    """{rows: median ms of one ``engine.verify`` over a chain of that many rows after ``cached`` cached tokens}.
+
+    Nothing is committed: every forward writes the same cache rows past the prefix, as a rejected draft would.
+    """
+    g = torch.Generator().manual_seed(seed)
+    V = engine.model.args.vocab_size
+    need = cached + max(rows) + 1
+    if need > engine.max_seq_len:
+        raise ValueError(f"the context ({engine.max_seq_len}) is below the {need} positions the curve needs")
+    prompt = torch.randint(V, (cached + 1,), generator=g).tolist()  # the last one is the next root
+    seq = engine.add(prompt, max_new_tokens=engine.max_seq_len - len(prompt))
+    try:
+        engine._forward(seq, prompt[:-1], torch.arange(cached, device=engine.device), None)
+        seq.cache_len = cached
+        out = {}
+        for k in rows:
+            tree = DraftTree.chain(prompt[-1], torch.randint(V, (k - 1,), generator=g).tolist())
+            times = []
+            for i in range(repeats + 2):  # two warm-up forwards per shape
+                t0 = time.perf_counter()
+                engine.verify(seq, tree)
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            out[k] = 1000 * statistics.median(times)
+        return out
+    finally:
+        engine.release(seq)
+
+
+def machine_key(device: torch.device, quantization: str) -> str:
+    """What the fastest dtype depends on: processor (model and the features that decide 16-bit speed), torch, threads,
+    and the weight quantization."""
+    if device.type == "cuda":
+        proc = torch.cuda.get_device_name(device)
+    else:
+        name, flags = platform.processor() or platform.machine(), set()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+        except OSError:
+            pass
+        feats = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
+        proc = f"{name} [{' '.join(feats)}]"
+    return f"{proc} | torch {torch.__version__} | {torch.get_num_threads()} threads | {quantization}"
+
+
+def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.device, quantization: str,
+                 cache_dir: Path | None) -> str:
+    """The serving dtype for ``model.dtype: auto``: bfloat16 on CUDA; on CPU the candidate with the lowest
+    T(1) + T(8) as ``measure(dtype)`` reports it, remembered in ``cache_dir``/serving-dtype.json per machine key."""
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    key = machine_key(device, quantization)
+    path = Path(cache_dir) / CHOICE_FILE if cache_dir is not None else None
+    known = _read(path)
+    if key in known and known[key].get("dtype") in AUTO_CANDIDATES:
+        log.info("model.dtype auto: %s (measured before on this machine: %s)", known[key]["dtype"], key)
+        return known[key]["dtype"]
+    scores = {}
+    for dtype in AUTO_CANDIDATES:
+        curve = measure(dtype)
+        scores[dtype] = {"ms": {str(k): round(v, 3) for k, v in curve.items()}, "score": sum(curve.values())}
+    best = min(scores, key=lambda d: scores[d]["score"])
+    log.info("model.dtype auto: %s (T(1) + T(8) in ms: %s; %s)", best,
+             ", ".join(f"{d} {s['score']:.1f}" for d, s in scores.items()), key)
+    if path is not None:
+        known[key] = {"dtype": best, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": scores}
+        try:
+            path.write_text(json.dumps(known, indent=1))
+        except OSError as e:  # a read-only cache (a baked container image): measure again next start
+            log.warning("could not remember the dtype choice in %s: %s", path, e)
+    return best
+
+
+def _read(path: Path | None) -> dict:
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
