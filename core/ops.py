@@ -119,12 +119,16 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight") ->
     """x [T, in] @ weight[out, in].T -> [T, out].
 
     CPU kernel choice, measured on the default model (bf16, 2 cores; see tests/engine/test_perf_paths.py):
-    - one row (decode): torch.mv, ~1.4x faster than addmm with M = 1 in bfloat16, same bits in float32;
-    - bfloat16, 2..64 rows (draft verification, short prompts): weight @ x.T, ~1.4x faster than F.linear even with
-      the transposing copy (oneDNN's x @ W.T is slow for small M; past ~100 rows it wins again);
+    - a weight-only quantized matrix: its packed kernel;
+    - one row (decode): torch.mv, ~1.4x faster than addmm with M = 1 in bfloat16 on a Xeon without AMX, same bits in
+      float32;
+    - bfloat16, 2..64 rows (draft verification, short prompts): weight @ x.T, ~1.4x faster than F.linear there even
+      with the transposing copy (oneDNN's x @ W.T is slow for small M; past ~100 rows it wins again);
     - more rows, or float32: F.linear.
-    In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count (F.linear only up to 32
-    rows), so a verified draft row gets exactly the logits and KV a decode step would.
+    In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count, so a verified draft row gets
+    exactly the logits and KV a decode step would. (On an EPYC with avx512_bf16, F.linear ran a bf16 decode step in
+    22 ms against 29 ms, but its rows' bits then depend on the row count with the model's real activations: chain
+    verification no longer reproduced decode steps, so it is not used.)
     """
     if not isinstance(weight, torch.Tensor):  # a weight-only quantized matrix (Int8Weight, Int4Weight)
         return weight.matmul(x)

@@ -19,14 +19,18 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def profile_step(engine: Engine, rows: int, cached: int = 300, forwards: int = 10, top: int = 12) -> str:
-    """torch.profiler's table of the top operators (by self CPU time) over ``forwards`` verifies of ``rows`` rows."""
+    """torch.profiler's table of the top operators (by self CPU time) over ``forwards`` verifies of ``rows`` rows
+    (the prefill and warm-up forwards before them are not profiled)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step_curve(engine, (rows,), cached, repeats=1)  # warm-up
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step_curve(engine, (rows,), cached, repeats=forwards)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    prof = profile(activities=acts)
+    try:
+        step_curve(engine, (rows,), cached, repeats=forwards, on_ready=prof.__enter__)
+    finally:
+        prof.__exit__(None, None, None)
+    return (f"{forwards} forwards; per forward divide by {forwards}\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def run_steps(cfg: EngineConfig, dtypes: list[str], quantizations: list[str], rows=DEFAULT_ROWS, cached: int = 300,

@@ -27,10 +27,12 @@ AUTO_ROWS = (1, 8)  # the dtype is scored by T(1) + T(8): plain decoding and a t
 CHOICE_FILE = "serving-dtype.json"
 
 
-def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0) -> dict[int, float]:
+def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
+               on_ready: Callable[[], None] | None = None) -> dict[int, float]:
     """{rows: median ms of one ``engine.verify`` over a chain of that many rows after ``cached`` cached tokens}.
 
     Nothing is committed: every forward writes the same cache rows past the prefix, as a rejected draft would.
+    ``on_ready`` runs once the prefix is cached, before the first timed forward (a profiler starts there).
     """
     g = torch.Generator().manual_seed(seed)
     V = engine.model.args.vocab_size
@@ -42,17 +44,21 @@ def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 
     try:
         engine._forward(seq, prompt[:-1], torch.arange(cached, device=engine.device), None)
         seq.cache_len = cached
+        trees = {k: DraftTree.chain(prompt[-1], torch.randint(V, (k - 1,), generator=g).tolist()) for k in rows}
+        for tree in trees.values():  # two warm-up forwards per shape
+            engine.verify(seq, tree)
+            engine.verify(seq, tree)
+        if on_ready is not None:
+            on_ready()
         out = {}
-        for k in rows:
-            tree = DraftTree.chain(prompt[-1], torch.randint(V, (k - 1,), generator=g).tolist())
+        for k, tree in trees.items():
             times = []
-            for i in range(repeats + 2):  # two warm-up forwards per shape
+            for _ in range(repeats):
                 t0 = time.perf_counter()
                 engine.verify(seq, tree)
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
             out[k] = 1000 * statistics.median(times)
         return out
     finally:
