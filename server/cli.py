@@ -26,6 +26,27 @@ def _common(p: argparse.ArgumentParser, drafter_help: str | None = "drafter name
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _emit(text: str, report, json_path: str | None) -> None:
+    """Print a benchmark's table; write its full report as JSON when asked."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def _choices(arg: str, valid: tuple[str, ...], flag: str) -> list[str]:
+    """A comma-separated flag value, each item checked against ``valid``."""
+    items = [x.strip() for x in arg.split(",") if x.strip()]
+    for x in items:
+        if x not in valid:
+            raise ConfigError(f"{flag}: {x!r} is not one of {', '.join(valid)}")
+    return items
+
+
 def _config(a: argparse.Namespace, drafter: str | None = None) -> EngineConfig:
     return load_config(a.config).with_overrides(drafter=drafter, dtype=a.dtype, device=a.device,
                                                 quantization=a.quantization)
@@ -65,12 +86,8 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
 
     names = [n.strip() for n in (a.drafter or "none").split(",") if n.strip()]
     cfg = _config(a)
-    rep = run_offline(cfg, names, a.prompts, a.max_tokens, a.baseline, a.repeats,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(format_report(rep))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
+    rep = run_offline(cfg, names, a.prompts, a.max_tokens, a.baseline, a.repeats, log=_log)
+    _emit(format_report(rep), rep, a.json)
     return 0
 
 
@@ -78,23 +95,13 @@ def cmd_bench_steps(a: argparse.Namespace) -> int:
     from server.bench.steps import format_steps, run_steps
 
     cfg = load_config(a.config).with_overrides(device=a.device)
-    dtypes = [d.strip() for d in (a.dtypes or cfg.model.dtype).split(",") if d.strip()]
-    quants = [q.strip() for q in (a.quantizations or cfg.model.quantization).split(",") if q.strip()]
-    for d in dtypes:
-        if d not in ("auto", *DTYPES):
-            raise ConfigError(f"--dtypes: {d!r} is not one of auto, {', '.join(DTYPES)}")
-    for q in quants:
-        if q not in QUANTIZATIONS:
-            raise ConfigError(f"--quantizations: {q!r} is not one of {', '.join(QUANTIZATIONS)}")
+    dtypes = _choices(a.dtypes or cfg.model.dtype, ("auto", *DTYPES), "--dtypes")
+    quants = _choices(a.quantizations or cfg.model.quantization, QUANTIZATIONS, "--quantizations")
     rows = tuple(int(r) for r in a.rows.split(","))
     if any(not 1 <= r <= 64 for r in rows):
         raise ConfigError("--rows: each row count must be in [1, 64]")
-    rep = run_steps(cfg, dtypes, quants, rows, a.cached, a.repeats, a.profile,
-                    log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(format_steps(rep))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
+    rep = run_steps(cfg, dtypes, quants, rows, a.cached, a.repeats, a.profile, log=_log)
+    _emit(format_steps(rep), rep, a.json)
     return 0
 
 
@@ -113,10 +120,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
     api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
     rep = run_serve_bench(a.url, api_key, a.prompts, a.concurrency, a.num_requests, a.max_tokens)
-    print(format_serve_report(rep))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
+    _emit(format_serve_report(rep), rep, a.json)
     return 0 if rep["errors"] == 0 else 1
 
 
@@ -129,7 +133,7 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                                              "intermediate_size") if getattr(a, k) is not None}
     run_train_glide(_config(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
-                    limit=a.limit, text_tokens=a.text_tokens, log=lambda m: print(m, file=sys.stderr, flush=True),
+                    limit=a.limit, text_tokens=a.text_tokens, log=_log,
                     **overrides)
     return 0
 
@@ -165,7 +169,7 @@ def cmd_train_data(a: argparse.Namespace) -> int:
 
     cfg = _config(a)
     path, items = ensure_data(cfg, load_target(cfg), a.data, a.max_new_tokens, a.gen_batch, a.limit,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
+                              log=_log)
     print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens")
     return 0
 
@@ -174,7 +178,7 @@ def cmd_train_bigram(a: argparse.Namespace) -> int:
     from drafters.train.bigram import run_train_bigram
 
     run_train_bigram(_config(a), out=a.out, data_path=a.data, max_new_tokens=a.max_new_tokens,
-                     gen_batch=a.gen_batch, limit=a.limit, log=lambda m: print(m, file=sys.stderr, flush=True))
+                     gen_batch=a.gen_batch, limit=a.limit, log=_log)
     return 0
 
 

@@ -112,7 +112,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         log(f"repeat {r + 1}/{repeats} done")
 
     tps = {n: statistics.median(t / s for t, s in zip(toks[n], secs[n])) for n in names}
-    report = {"model": target.model_id, "dtype": cfg.model.dtype, "device": str(target.device),
+    report = {"model": target.model_id, "dtype": str(target.dtype).removeprefix("torch."),
+              "quantization": cfg.model.quantization, "device": str(target.device),
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_tokens": max_tokens,
               "repeats": repeats, "results": []}
     target_s = timing["none"][1] / max(1, timing["none"][0])  # one target forward (a decode step)
@@ -146,8 +147,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"model {rep['model']}  dtype {rep['dtype']}  device {rep['device']}  threads {rep['threads']}  "
-             f"prompts {rep['prompts']}  max_tokens {rep['max_tokens']}  repeats {rep['repeats']}",
+    lines = [f"model {rep['model']}  dtype {rep['dtype']}  quantization {rep['quantization']}  device {rep['device']}  "
+             f"threads {rep['threads']}  prompts {rep['prompts']}  max_tokens {rep['max_tokens']}  repeats {rep['repeats']}",
              f"{'drafter':<14}{'tok/s':>9}{'accept_len':>12}{'accept_rate':>13}{'vs none':>9}{'vs hf':>8}"
              f"{'lossless':>10}{'tgt_fwd':>9}{'drf_fwd':>9}{'c':>8}{'SWI':>7}"]
     for r in rep["results"]:

@@ -50,7 +50,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
 
     a = engine.model.args
     send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, cfg.cache.num_slots,
-                 a.vocab_size, str(engine.device), cfg.model.dtype))
+                 a.vocab_size, str(engine.device), str(engine.dtype).removeprefix("torch.")))
     sched = Scheduler(engine, send, cfg.server.max_waiting)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
     threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
