@@ -167,12 +167,15 @@ def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str,
 
 
 def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.device, dtype_name: str) -> dict:
-    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot."""
+    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot, after up
+    to 300 cached tokens (fewer when the configured context is shorter: the copy's RoPE table has that length)."""
+    rows = AUTO_ROWS if cfg.cache.max_seq_len >= 1 + max(AUTO_ROWS) + 1 else (1,)
+    cached = max(1, min(300, cfg.cache.max_seq_len - max(rows) - 1))
     c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name),
-                            cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=320),
+                            cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
                             drafter=dataclasses.replace(cfg.drafter, name="none"))
     target = _build_target(copy.deepcopy(model), resolved, device, dtype_name, cfg.model.quantization)
-    return step_curve(Engine(c, target=target), AUTO_ROWS, cached=300, repeats=5)
+    return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)
 
 
 class Engine:

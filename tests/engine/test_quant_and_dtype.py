@@ -135,3 +135,8 @@ def test_dtype_auto_measures_the_real_target_and_caches_the_choice(tiny_dir, tmp
         assert set(c["ms"]) == {"1", "8"} and all(v > 0 for v in c["ms"].values())
     out = Engine(cfg, target=target).generate([2, 3, 4], max_new_tokens=4)
     assert len(out.token_ids) == 4
+    for ctx in (32, 5):  # contexts shorter than the usual 300 + 8 measuring positions still measure
+        short = config_from_dict({"model": {"source": str(model_dir), "dtype": "auto", "device": "cpu",
+                                            "quantization": "int8" if ctx == 32 else "int4"},
+                                  "cache": {"num_slots": 1, "max_seq_len": ctx}})
+        assert Engine(short).generate([2, 3], max_new_tokens=2).finish_reason == "length"
