@@ -103,7 +103,8 @@ class EngineConfig:
             raise ConfigError("server.max_waiting must be >= 0")
         valid = drafter_names()
         if self.drafter.name not in valid:
-            raise ConfigError(f"drafter.name: unknown drafter {self.drafter.name!r}; valid drafters: {', '.join(valid)}")
+            raise ConfigError(f"drafter.name: unknown drafter {self.drafter.name!r}; "
+                              f"valid drafters: {', '.join(valid)}")
         for name, options in self.drafter.options.items():
             if name not in valid:
                 raise ConfigError(f"drafter.{name}: no drafter is called {name!r}, so these options would be ignored; "

@@ -147,8 +147,9 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"model {rep['model']}  dtype {rep['dtype']}  quantization {rep['quantization']}  device {rep['device']}  "
-             f"threads {rep['threads']}  prompts {rep['prompts']}  max_tokens {rep['max_tokens']}  repeats {rep['repeats']}",
+    lines = [f"model {rep['model']}  dtype {rep['dtype']}  quantization {rep['quantization']}  "
+             f"device {rep['device']}  threads {rep['threads']}  prompts {rep['prompts']}  "
+             f"max_tokens {rep['max_tokens']}  repeats {rep['repeats']}",
              f"{'drafter':<14}{'tok/s':>9}{'accept_len':>12}{'accept_rate':>13}{'vs none':>9}{'vs hf':>8}"
              f"{'lossless':>10}{'tgt_fwd':>9}{'drf_fwd':>9}{'c':>8}{'SWI':>7}"]
     for r in rep["results"]:
