@@ -102,19 +102,23 @@ def check_options(name: str, options: dict[str, Any]) -> None:
                          f"{', '.join(params) or '(none)'}")
     hints = typing.get_type_hints(cls.__init__)
     for key, value in options.items():
-        allowed = _plain_types(hints.get(key))
-        if allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"drafter {name!r} option {key!r} must be {names}, got {value!r}")
+        wanted = type_mismatch(value, hints.get(key))
+        if wanted:
+            raise ValueError(f"drafter {name!r} option {key!r} must be {wanted}, got {value!r}")
 
 
-def _plain_types(annotation: Any) -> tuple[type, ...] | None:
-    """The Python types a config value may have for a plain annotation; None where the constructor checks it."""
+def type_mismatch(value: Any, annotation: Any) -> str | None:
+    """For a config value and a plain annotation (int, float, bool, str, optional ones): the expected types in words
+    when the value does not fit (a bool is no int, an int is a float), else None. None too for other annotations,
+    which the code they configure checks."""
     plain = {int: (int,), float: (int, float), bool: (bool,), str: (str,), type(None): (type(None),)}
     args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
     if not all(a in plain for a in args):
         return None
-    return tuple(t for a in args for t in plain[a])
+    allowed = tuple(t for a in args for t in plain[a])
+    if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+        return None
+    return " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
 
 
 def create_drafter(name: str, target: TargetView, options: dict[str, Any] | None = None) -> Drafter:

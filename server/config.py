@@ -124,11 +124,12 @@ def _section(cls, raw: Any, where: str):
     unknown = set(raw) - set(hints)
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; valid keys: {sorted(hints)}")
+    from drafters.base import type_mismatch
+
     for key, value in raw.items():
-        allowed = typing.get_args(hints[key]) or (hints[key],)
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ConfigError(f"{where}.{key} must be {names}, got {value!r}")
+        wanted = type_mismatch(value, hints[key])
+        if wanted:
+            raise ConfigError(f"{where}.{key} must be {wanted}, got {value!r}")
     return cls(**raw)
 
 

@@ -77,7 +77,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringMatcher(self.sampling.get("stop") or [])
-        ends: list[int] = []  # ends[i]: characters of text once token i was detokenized
+        ends: list[int] = []  # ends[i]: characters of text once token i (or its message, without stops) was decoded
         last = None
         try:
             while True:
@@ -88,10 +88,12 @@ class Generation:
                 if msg.token_ids:
                     last = self._count_tokens(len(msg.token_ids), last)
                 text = ""
-                for t in msg.token_ids:  # one at a time, to know which token completes a stop string
-                    piece = detok.add([t])
-                    text += piece
-                    ends.append((ends[-1] if ends else 0) + len(piece))
+                # one token at a time where a stop string must be located to its token; else one decode per message
+                for group in ([[t] for t in msg.token_ids] if stops.stops else [msg.token_ids]):
+                    if group:
+                        piece = detok.add(group)
+                        text += piece
+                        ends.extend([(ends[-1] if ends else 0) + len(piece)] * len(group))
                 if msg.finish_reason:
                     self._done = True
                     self.spec_usage = msg.usage
