@@ -65,25 +65,20 @@ def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 
         engine.release(seq)
 
 
-def machine_key(device: torch.device, quantization: str) -> str:
-    """What the fastest dtype depends on: processor (model and the features that decide 16-bit speed), torch, threads,
-    and the weight quantization."""
-    if device.type == "cuda":
-        proc = torch.cuda.get_device_name(device)
-    else:
-        name, flags = platform.processor() or platform.machine(), set()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name") and name in ("", platform.machine(), platform.processor()):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-        except OSError:
-            pass
-        feats = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
-        proc = f"{name} [{' '.join(feats)}]"
-    return f"{proc} | torch {torch.__version__} | {torch.get_num_threads()} threads | {quantization}"
+def machine_key(quantization: str) -> str:
+    """What the fastest CPU dtype depends on: the processor (model name and the features that decide 16-bit speed),
+    torch, threads, and the weight quantization."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())  # the first processor's lines
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    feats = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{name} [{' '.join(feats)}] | torch {torch.__version__} | {torch.get_num_threads()} threads | {quantization}"
 
 
 def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.device, quantization: str,
@@ -92,7 +87,7 @@ def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.devic
     T(1) + T(8) as ``measure(dtype)`` reports it, remembered in ``cache_dir``/serving-dtype.json per machine key."""
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    key = machine_key(device, quantization)
+    key = machine_key(quantization)
     path = Path(cache_dir) / CHOICE_FILE if cache_dir is not None else None
     known = _read(path)
     if key in known and known[key].get("dtype") in AUTO_CANDIDATES:

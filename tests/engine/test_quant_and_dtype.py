@@ -113,7 +113,7 @@ def test_choose_dtype_picks_the_lowest_score_and_remembers_it(tmp_path):
     assert choose_dtype(measure, cpu, "none", tmp_path) == "float32"  # 100 < 110
     assert calls == ["bfloat16", "float32"]
     saved = json.loads((tmp_path / CHOICE_FILE).read_text())
-    assert saved[machine_key(cpu, "none")]["dtype"] == "float32"
+    assert saved[machine_key("none")]["dtype"] == "float32"
     assert choose_dtype(measure, cpu, "none", tmp_path) == "float32" and len(calls) == 2  # cached
     assert choose_dtype(lambda d: {1: 1.0 if d == "bfloat16" else 9.0}, cpu, "int8", tmp_path) == "bfloat16"
     assert len(json.loads((tmp_path / CHOICE_FILE).read_text())) == 2  # one entry per machine key
@@ -128,7 +128,7 @@ def test_dtype_auto_measures_the_real_target_and_caches_the_choice(tiny_dir, tmp
                             "cache": {"num_slots": 1, "max_seq_len": 400}})
     target = load_target(cfg, progress=False)
     saved = json.loads((model_dir / CHOICE_FILE).read_text())
-    entry = saved[machine_key(torch.device("cpu"), "none")]
+    entry = saved[machine_key("none")]
     assert str(target.dtype) == f"torch.{entry['dtype']}"
     assert set(entry["candidates"]) == {"bfloat16", "float32"}
     for c in entry["candidates"].values():
