@@ -7,6 +7,7 @@ a drafter's RoPE or norm is the target's, bit for bit, without either side impor
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -115,29 +116,96 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
+def _mv_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    T = x.shape[0]
+    if T == 1:
+        return torch.mv(w, x[0]).unsqueeze(0)
+    if T <= MAX_TUNED_ROWS:
+        return torch.mm(w, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
+    return F.linear(x, w)
+
+
+def _mv_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mv(w, x[0]).unsqueeze(0) if x.shape[0] == 1 else F.linear(x, w)
+
+
+# Dense kernels for x [T, K] @ W[N, K].T, T up to MAX_TUNED_ROWS; past that every one is F.linear.
+LINEAR_KERNELS = {"mv+mm": _mv_mm, "mv+linear": _mv_linear, "linear": F.linear}
+MAX_TUNED_ROWS = 64  # the engine's verification row limit
+_chosen: dict[tuple, str] = {}  # linear_key(w) -> kernel name, set by use_linear_kernel
+
+
+def linear_key(w: torch.Tensor) -> tuple:
+    return w.device.type, str(w.dtype).removeprefix("torch."), *w.shape
+
+
+def default_linear_kernel(w: torch.Tensor) -> str:
+    """Before (or without) a measurement: on CPU in bfloat16 mv for one row and weight @ x.T up to 64 rows (oneDNN's
+    x @ W.T was slow for small M there), else mv for one row and F.linear for more."""
+    return "mv+mm" if w.device.type == "cpu" and w.dtype == torch.bfloat16 else "mv+linear"
+
+
+def use_linear_kernel(key: tuple, name: str) -> None:
+    if name not in LINEAR_KERNELS:
+        raise ValueError(f"unknown linear kernel {name!r}; valid: {', '.join(LINEAR_KERNELS)}")
+    _chosen[key] = name
+
+
 def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight") -> torch.Tensor:
     """x [T, in] @ weight[out, in].T -> [T, out].
 
-    CPU kernel choice, measured on the default model (bf16, 2 cores; see tests/engine/test_perf_paths.py):
-    - a weight-only quantized matrix: its packed kernel;
-    - one row (decode): torch.mv, ~1.4x faster than addmm with M = 1 in bfloat16 on a Xeon without AMX, same bits in
-      float32;
-    - bfloat16, 2..64 rows (draft verification, short prompts): weight @ x.T, ~1.4x faster than F.linear there even
-      with the transposing copy (oneDNN's x @ W.T is slow for small M; past ~100 rows it wins again);
-    - more rows, or float32: F.linear.
-    In bfloat16 mv and weight @ x.T give every row the same bits whatever the row count, so a verified draft row gets
-    exactly the logits and KV a decode step would. (On an EPYC with avx512_bf16, F.linear ran a bf16 decode step in
-    22 ms against 29 ms, but its rows' bits then depend on the row count with the model's real activations: chain
-    verification no longer reproduced decode steps, so it is not used.)
+    A weight-only quantized matrix runs its packed kernel; a dense one the kernel chosen for its shape and dtype
+    (``measure_linear_kernels``), else ``default_linear_kernel``.
     """
     if not isinstance(weight, torch.Tensor):  # a weight-only quantized matrix (Int8Weight, Int4Weight)
         return weight.matmul(x)
-    T = x.shape[0]
-    if T == 1:
-        return torch.mv(weight, x[0]).unsqueeze(0)
-    if x.dtype == torch.bfloat16 and T <= 64 and x.device.type == "cpu":
-        return torch.mm(weight, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
-    return F.linear(x, weight)
+    name = _chosen.get(linear_key(weight)) or default_linear_kernel(weight)
+    return LINEAR_KERNELS[name](x, weight)
+
+
+def measure_linear_kernels(weights: list[torch.Tensor], margin: float = 0.1) -> tuple[str, dict[str, dict]]:
+    """The dense kernel for ``weights`` (one shape and dtype, e.g. every layer's gate/up matrix): the fastest of those
+    that give each row the same bits whatever the row count (1..64).
+
+    Row invariance is what lets a verified draft row get exactly the logits and KV a decode step would; which kernels
+    have it depends on the CPU and the shape (on a 2-core EPYC with avx512_bf16, oneDNN's bfloat16 F.linear had it
+    for K = 576 and lost it past 4 rows for K = 1536), so it is checked here, on random data of the weights' shape.
+    Speed: median ms of one pass over all the weights (as a forward streams them from memory; one matrix alone
+    would sit in cache) at 1 row (decode) plus at 8 rows (a typical verification). The default kernel stays unless
+    another is ``margin`` faster (or it alone is not row-invariant), so noise does not flip the choice, and with it
+    the bits, between starts. Where no kernel is row-invariant (float32 everywhere measured; bfloat16 on AMX Xeons),
+    the fastest is used.
+    """
+    w = weights[0]
+    if w.device.type != "cpu":
+        return "linear", {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(MAX_TUNED_ROWS, w.shape[1], generator=g).to(w.dtype)
+    w_ = (torch.randn(tuple(w.shape), generator=g) * w.float().std()).to(w.dtype)
+    report = {}
+    for name, fn in LINEAR_KERNELS.items():
+        one = torch.cat([fn(x[i:i + 1], w_) for i in range(MAX_TUNED_ROWS)])
+        invariant = all(torch.equal(fn(x[:t], w_), one[:t]) for t in range(2, MAX_TUNED_ROWS + 1))
+        report[name] = {"ms": round(_median_ms(fn, x[:1], weights) + _median_ms(fn, x[:8], weights), 4),
+                        "row_invariant": invariant}
+    pool = [n for n in report if report[n]["row_invariant"]] or list(report)
+    default = default_linear_kernel(w)
+    best = min(pool, key=lambda n: report[n]["ms"])
+    if default in pool and report[default]["ms"] <= (1 + margin) * report[best]["ms"]:
+        best = default
+    return best, report
+
+
+def _median_ms(fn, x: torch.Tensor, weights: list[torch.Tensor], repeats: int = 5) -> float:
+    for w in weights:
+        fn(x, w)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            fn(x, w)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2] * 1e3
 
 
 # -- weight-only quantization -------------------------------------------------------------------------------------

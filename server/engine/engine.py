@@ -29,7 +29,7 @@ from server.engine.backend import compact_kv, make_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError
 from server.engine.model import Llama
 from server.engine.quant import quantize_model
-from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve
+from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
 
 
@@ -163,6 +163,7 @@ def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str,
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
     quantize_model(model, quantization, dtype)
+    tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
 
 

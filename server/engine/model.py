@@ -78,6 +78,11 @@ class Llama(nn.Module):
         """[T, hidden] pre-norm hidden states -> [T, V] logits."""
         return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head.weight)
 
+    def matmul_weights(self) -> list:
+        """The weights ``linear`` multiplies by (tensors, or packed quantized matrices)."""
+        per_layer = [getattr(layer, n).weight for layer in self.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")]
+        return per_layer + [self.lm_head.weight]
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load transformers' Llama weight names into the fused layout."""
         a = self.args

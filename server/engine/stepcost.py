@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from core.ops import linear_key, measure_linear_kernels, use_linear_kernel
 from core.tree import DraftTree
 
 log = logging.getLogger("specserve.engine")
@@ -25,6 +26,7 @@ log = logging.getLogger("specserve.engine")
 AUTO_CANDIDATES = ("bfloat16", "float32")  # float16 matmuls have no fast CPU path here; CUDA takes bfloat16 directly
 AUTO_ROWS = (1, 8)  # the dtype is scored by T(1) + T(8): plain decoding and a typical draft verify, alike
 CHOICE_FILE = "serving-dtype.json"
+KERNELS_FILE = "linear-kernels.json"
 
 
 def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
@@ -107,6 +109,36 @@ def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.devic
         except OSError as e:  # a read-only cache (a baked container image): measure again next start
             log.warning("could not remember the dtype choice in %s: %s", path, e)
     return best
+
+
+def tune_linear(weights: list[torch.Tensor], cache_dir: Path | None) -> dict[str, str]:
+    """Choose the dense matmul kernel of each weight shape (``core.ops.measure_linear_kernels``), remembered in
+    ``cache_dir``/linear-kernels.json per machine key: a later start on the same machine uses the same kernels, and
+    so the same bits. Returns {shape key: kernel}."""
+    path = Path(cache_dir) / KERNELS_FILE if cache_dir is not None else None
+    known = _read(path)
+    machine = machine_key("none")
+    mine = known.setdefault(machine, {})
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for w in weights:
+        groups.setdefault(linear_key(w), []).append(w)
+    chosen, measured = {}, False
+    for key, same in groups.items():
+        name = "x".join(map(str, key))
+        if name not in mine:
+            best, report = measure_linear_kernels(same)
+            mine[name] = {"kernel": best, "candidates": report}
+            measured = True
+            log.info("linear %s: %s (%s)", name, best, ", ".join(
+                f"{k} {r['ms']:.3f} ms{'' if r['row_invariant'] else ' not row-invariant'}" for k, r in report.items()))
+        chosen[name] = mine[name]["kernel"]
+        use_linear_kernel(key, chosen[name])
+    if measured and path is not None:
+        try:
+            path.write_text(json.dumps(known, indent=1))
+        except OSError as e:
+            log.warning("could not remember the kernel choice in %s: %s", path, e)
+    return chosen
 
 
 def _read(path: Path | None) -> dict:
