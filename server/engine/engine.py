@@ -27,7 +27,7 @@ from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling
 from server.engine.backend import compact_kv, make_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError
-from server.engine.model import Llama
+from server.engine.model import Llama, Segment
 from server.engine.quant import quantize_model
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
@@ -225,31 +225,28 @@ class Engine:
     # -- target forwards ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, seq: Sequence, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None):
-        """T new rows after the cached prefix -> (logits [T, V] or of the last row, hidden [T, hidden])."""
-        n = len(tokens)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
-        k, v = self.pool.k[:, seq.slot], self.pool.v[:, seq.slot]  # [L, H_kv, S, D]
-        return self.model(ids, positions, k, v, seq.cache_len, tree_mask, attn)  # [T, hidden]
+        """T new rows of one sequence after its cached prefix -> hidden [T, hidden]."""
+        return self._forward_rows([(seq, tokens, positions, tree_mask)])
 
     @torch.inference_mode()
+    def _forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
+        """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
+        tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
+        segments, start = [], 0
+        for seq, tokens, _, tree_mask in parts:
+            n = len(tokens)
+            attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+            segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
+                                    seq.cache_len, tree_mask, attn))
+            start += n
+        tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
+        positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.model(ids, positions, segments)  # [T, hidden]
+
     def prefill(self, seq: Sequence) -> list[int]:
-        """Cache the prompt's KV and sample the first token; returns the tokens emitted."""
-        n = seq.prompt_len
-        hidden = self._forward(seq, seq.token_ids, torch.arange(n, device=self.device), None)
-        self.pool.hidden[seq.slot, :n] = hidden
-        seq.cache_len = n
-        self.pool.set_length(seq.slot, n)
-        logits = self.model.logits(hidden[-1:])  # [1, V]
-        if seq.sampling.greedy:
-            tok = int(logits.argmax(-1).item())
-        else:
-            probs = target_probs(logits, seq.sampling)
-            tok = int(torch.multinomial(probs[0], 1, generator=seq.generator).item())
-        emitted = self._append(seq, [tok])
-        if seq.finish_reason is None:
-            self.drafter.prefill(self.view(seq))
-        return emitted
+        """Cache the whole prompt's KV and sample the first token; returns the tokens emitted."""
+        return self.run([], [(seq, seq.prompt_len)])[seq.seq_id]
 
     @torch.inference_mode()
     def verify(self, seq: Sequence, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,10 +254,13 @@ class Engine:
 
         Rows are written to cache rows [cache_len, cache_len + T + 1) at positions cache_len + depth.
         """
+        hidden = self._forward_rows([self._tree_rows(seq, tree)])
+        return self.model.logits(hidden), hidden
+
+    def _tree_rows(self, seq: Sequence, tree: DraftTree):
         depths = torch.tensor(tree.depths(), dtype=torch.long, device=self.device)
         mask = ancestor_bitmask(tree.parents).to(self.device) if tree.num_rows > 1 else None
-        hidden = self._forward(seq, tree.tokens, seq.cache_len + depths, mask)
-        return self.model.logits(hidden), hidden
+        return seq, tree.tokens, seq.cache_len + depths, mask
 
     def commit(self, seq: Sequence, rows: list[int], hidden: torch.Tensor) -> None:
         """Keep the accepted rows' KV (and hidden states) at [cache_len, cache_len + len(rows)); drop the rest."""
@@ -272,22 +272,84 @@ class Engine:
         seq.cache_len = start + n
         self.pool.set_length(seq.slot, seq.cache_len)
 
-    # -- one speculative step -------------------------------------------------------------------------------------
+    # -- one step: speculative steps and prefill chunks in one target forward ------------------------------------
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
         """Draft, verify, accept, compact; returns the tokens emitted (at least one unless already finished)."""
-        if seq.finish_reason is not None:
-            return []
-        view = self.view(seq)
-        tree = self.drafter.propose(view)
+        return self.run([seq])[seq.seq_id]
+
+    @torch.inference_mode()
+    def run(self, steps: list[Sequence], prefills: list[tuple[Sequence, int]] = (),
+            max_rows: dict[int, int] | None = None) -> dict[int, list[int]]:
+        """One target forward for a batch: a speculative step (draft, verify, accept, compact) for each sequence of
+        ``steps`` and the next ``n`` prompt tokens of each (sequence, n) of ``prefills``; returns {seq_id: tokens
+        emitted} (a prompt's first token comes with its last chunk).
+
+        ``max_rows`` caps a sequence's tree rows (root included; default MAX_TREE_ROWS): at 1 the drafter is not
+        asked at all and the step is a plain decode step. Each sequence keeps its own sampling generator, so what
+        else is in the batch does not change which random numbers a seeded request draws.
+        """
+        out: dict[int, list[int]] = {}
+        parts, trees = [], []
+        for seq in steps:
+            if seq.finish_reason is not None:
+                out[seq.seq_id] = []
+                continue
+            cap = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, (max_rows or {}).get(seq.seq_id, MAX_TREE_ROWS))
+            tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
+            trees.append((seq, tree.truncate(cap), cap > 1))
+            parts.append(self._tree_rows(seq, trees[-1][1]))
+        chunks = []
+        for seq, n in prefills:
+            start = seq.cache_len
+            n = min(n, seq.prompt_len - start)
+            if n < 1:
+                raise ValueError(f"sequence {seq.seq_id} has no prompt tokens left to prefill")
+            chunks.append((seq, start, n))
+            parts.append((seq, seq.token_ids[start:start + n], torch.arange(start, start + n, device=self.device),
+                          None))
+        if not parts:
+            return out
+        t0 = time.perf_counter()
+        hidden = self._forward_rows(parts)
+        # logits for every tree row, and for the last prompt row of a prompt that is now fully cached
+        rows, at = [], 0
+        for _, tree, _ in trees:
+            rows.extend(range(at, at + tree.num_rows))
+            at += tree.num_rows
+        for seq, start, n in chunks:
+            if start + n == seq.prompt_len:
+                rows.append(at + n - 1)
+            at += n
+        logits = self.model.logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        seconds = time.perf_counter() - t0
+        at, li = 0, 0
+        for seq, tree, drafted in trees:
+            n = tree.num_rows
+            out[seq.seq_id] = self._accept(seq, tree, logits[li:li + n], hidden[at:at + n], seconds, drafted)
+            at, li = at + n, li + n
+        for seq, start, n in chunks:
+            self.pool.hidden[seq.slot, start:start + n] = hidden[at:at + n]
+            seq.cache_len = start + n
+            self.pool.set_length(seq.slot, seq.cache_len)
+            at += n
+            if seq.cache_len < seq.prompt_len:
+                out[seq.seq_id] = []
+                continue
+            out[seq.seq_id] = self._first_token(seq, logits[li:li + 1])
+            li += 1
+        return out
+
+    def _propose(self, seq: Sequence) -> DraftTree:
+        tree = self.drafter.propose(self.view(seq))
         tree.validate(self.model.args.vocab_size)
         if tree.tokens[0] != seq.token_ids[-1]:
             raise RuntimeError(f"drafter {self.drafter.name!r} rooted its tree at {tree.tokens[0]}, "
                                f"not at the last accepted token {seq.token_ids[-1]}")
-        tree = tree.truncate(min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len))
-        t2 = time.perf_counter()
-        logits, hidden = self.verify(seq, tree)
-        t3 = time.perf_counter()
+        return tree
+
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, seconds: float,
+                drafted: bool) -> list[int]:
         if seq.sampling.greedy:
             rows, tokens = accept_greedy(tree, logits)
         else:
@@ -300,9 +362,21 @@ class Engine:
         s.draft_tokens += tree.num_draft
         s.accepted_tokens += result.num_accepted
         s.step_tokens += len(emitted)
-        s.verify_seconds += t3 - t2
+        s.verify_seconds += seconds
+        if drafted and seq.finish_reason is None:
+            self.drafter.observe(self.view(seq), result)
+        return emitted
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        """The prompt is cached: sample the first token from the last prompt row's logits [1, V]."""
+        if seq.sampling.greedy:
+            tok = int(logits.argmax(-1).item())
+        else:
+            probs = target_probs(logits, seq.sampling)
+            tok = int(torch.multinomial(probs[0], 1, generator=seq.generator).item())
+        emitted = self._append(seq, [tok])
         if seq.finish_reason is None:
-            self.drafter.observe(view, result)
+            self.drafter.prefill(self.view(seq))
         return emitted
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:

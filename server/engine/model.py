@@ -10,6 +10,7 @@ through nn.Module: on a 2-core CPU the per-op overhead of a 30-layer model is a 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,6 +21,20 @@ from core.ops import LlamaArgs, Rope, apply_rope, linear, rms_norm
 
 # attention(q [T,H,D], k_cache [H_kv,S,D], v_cache, cache_len, tree_mask | None) -> [T,H,D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass
+class Segment:
+    """One sequence's new rows in a forward: rows ``start:end`` of the batch, after its ``cache_len`` cached tokens
+    in its KV slot (all layers). ``tree_mask``: int64 ancestor bits per row, or None for causal rows."""
+
+    start: int
+    end: int
+    k: torch.Tensor  # [L, H_kv, S, D]
+    v: torch.Tensor
+    cache_len: int
+    tree_mask: torch.Tensor | None
+    attention: AttentionFn
 
 
 class Block(nn.Module):
@@ -34,16 +49,23 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, cache_len: int, tree_mask, attention: AttentionFn):
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment]):
         a = self.a
         T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
         qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
-        # New rows go right after the prefix; acceptance later compacts the accepted ones into place.
-        k_cache[:, cache_len:cache_len + T] = qk[:, H:].transpose(0, 1)
-        v_cache[:, cache_len:cache_len + T] = qkv[:, H + H_kv:].transpose(0, 1)
-        o = attention(qk[:, :H], k_cache, v_cache, cache_len, tree_mask)  # [T, H, D]
+        o = None if len(segments) == 1 else qkv.new_empty(T, H, a.head_dim)
+        for s in segments:  # attention reads each sequence's own KV; the matmuls around it take every row at once
+            k_cache, v_cache, n = s.k[layer], s.v[layer], s.end - s.start
+            # New rows go right after the prefix; acceptance later compacts the accepted ones into place.
+            k_cache[:, s.cache_len:s.cache_len + n] = qk[s.start:s.end, H:].transpose(0, 1)
+            v_cache[:, s.cache_len:s.cache_len + n] = qkv[s.start:s.end, H + H_kv:].transpose(0, 1)
+            out = s.attention(qk[s.start:s.end, :H], k_cache, v_cache, s.cache_len, s.tree_mask)  # [n, H, D]
+            if o is None:
+                o = out
+            else:
+                o[s.start:s.end] = out
         x = x + linear(o.reshape(T, -1), self.wo.weight)
         gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w_down.weight)
@@ -61,17 +83,16 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(args, max_len)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                cache_len: int, tree_mask: torch.Tensor | None, attention: AttentionFn) -> torch.Tensor:
-        """Run T new rows; returns the last layer's hidden states (before the final norm), [T, hidden].
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """Run the new rows of one or more sequences; returns the last layer's hidden states (before the final
+        norm), [T, hidden].
 
-        tokens, positions: [T]; k_cache, v_cache: [L, H_kv, S, D] (one sequence's slot, all layers);
-        tree_mask: int64 ancestor bitmask [T] (bit j of row i: new row j visible to row i) or None for causal.
+        tokens, positions: [T], the segments' rows back to back (positions = each sequence's cache length + depth).
         """
         x = self.embed(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
-        for layer, k, v in zip(self.layers, k_cache.unbind(0), v_cache.unbind(0)):
-            x = layer.forward(x, cos, sin, k, v, cache_len, tree_mask, attention)  # .forward: skip hook dispatch
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, cos, sin, i, segments)  # .forward: skip hook dispatch
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
