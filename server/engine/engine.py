@@ -162,7 +162,7 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
 def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
-    quantize_model(model, quantization, dtype)
+    quantize_model(model, quantization, dtype, gguf=resolved.gguf)
     tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
 

@@ -5,9 +5,12 @@ channel, ``core.ops.Int4Weight`` per group of 32 input columns) that ``core.ops.
 PyTorch ships; the embedding, norms and attention stay in the serving dtype. The quantized model is the target:
 speculative decoding is lossless with respect to it (greedy speculative == greedy plain with the same quantization).
 
-Where the source is a GGUF file with Q4_1 blocks (the embedded model), int4 takes the file's own blocks instead of
-re-quantizing the weights de-quantized from them: with float32 activations the served matrices are then exactly the
-file's (re-quantizing rounds every weight a second time).
+Where the source is a GGUF file with Q4_1 blocks (the embedded model), int4 takes the file's own blocks (scale d,
+zero m + 8 d) instead of re-quantizing the weights de-quantized from them, so that with float32 activations the served
+matrices are exactly the file's. Re-quantizing gives the same blocks back only where the file's quantizer also took
+each block's min and max (llama.cpp without an importance matrix: the embedded file, whose re-quantized packing is
+bit-identical); one that fits scale and min (llama.cpp with an importance matrix) leaves codes 0 or 15 unused, and
+re-quantizing would round every weight a second time.
 """
 from __future__ import annotations
 

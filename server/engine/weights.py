@@ -151,8 +151,7 @@ def gguf_linear_blocks(gguf: Path) -> dict[str, Q4Blocks]:
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
         return {}
-    n_head = _gguf_field(reader, "llama.attention.head_count")
-    n_kv_head = _gguf_field(reader, "llama.attention.head_count_kv")
+    n_head, n_kv_head = (_gguf_field(reader, f"llama.attention.{k}") for k in ("head_count", "head_count_kv"))
     out: dict[str, Q4Blocks] = {}
     for t in reader.tensors:
         if t.tensor_type != GGMLQuantizationType.Q4_1 or len(t.shape) != 2:
@@ -178,7 +177,7 @@ def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     d and m [N, K / 32] float32.
 
     Nibble order as in gguf's own ``Q4_1.dequantize_blocks``: the low nibbles of the 16 bytes are elements 0..15 of
-    the block, the high nibbles elements 16..31. (numpy: PyTorch's uint8 shifts run ~100x slower on CPU.)"""
+    the block, the high nibbles elements 16..31. In numpy, as the reader hands the file's bytes over."""
     N = raw.shape[0]
     blocks = raw.reshape(N, K // Q4_1_BLOCK, 4 + Q4_1_BLOCK // 2)  # [N, K / 32, 20]
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]

@@ -1,0 +1,202 @@
+"""Continuous batching in the worker's scheduler, on the real default model (float32):
+
+- every drafter: greedy outputs of 16 requests stepped together equal their outputs run alone, token for token;
+- a seeded sampled request draws the same tokens in a batch as alone;
+- a long prompt is prefilled in chunks over several steps while another stream gets a token every step, and its
+  output equals its unchunked output;
+- a budget of one row is a plain decode step (the drafter is not asked), and the goodput budget drafts when rows are
+  cheap and stops when they cost as much as decode rows;
+- an engine fault fails the requests of that step, frees their slots, and the next requests run.
+"""
+from __future__ import annotations
+
+import pytest
+
+from drafters.base import create_drafter, drafter_names
+from server.config import config_from_dict
+from server.engine.engine import Engine
+from server.tokenization import encode_chat, stop_token_ids
+from server.worker import messages as m
+from server.worker.budget import DraftBudget
+from server.worker.scheduler import Scheduler
+
+PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23?", "List three uses of a paperclip.",
+           "Explain recursion in one sentence.", "Write a Python function that reverses a string.",
+           "Name the planets of the solar system.", "Translate 'good morning' to French.", "Give me a fun fact.",
+           "What is the capital of Japan?", "Describe a cat in five words.", "Count from one to ten.",
+           "Why is the sky blue?", "Write a limerick about a dog.", "What does HTTP stand for?",
+           "Suggest a name for a bakery.", "Summarize the plot of Cinderella."]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return config_from_dict({"model": {"dtype": "float32", "device": "cpu"},
+                             "cache": {"num_slots": 16, "max_seq_len": 512}})
+
+
+class Client:
+    """What the API process would see: the worker's messages per request."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.done: dict[str, m.FromWorker] = {}
+        self.arrivals: dict[str, list[int]] = {}  # request -> ticks at which tokens arrived
+        self.tick = 0
+
+    def send(self, msg) -> None:
+        if isinstance(msg, m.Tokens):
+            self.tokens.setdefault(msg.request_id, []).extend(msg.token_ids)
+            self.arrivals.setdefault(msg.request_id, []).append(self.tick)
+            if msg.finish_reason:
+                self.done[msg.request_id] = msg
+        elif isinstance(msg, (m.Failed, m.Aborted)):
+            self.done[msg.request_id] = msg
+
+
+def run(sched: Scheduler, client: Client, max_ticks: int = 10_000) -> None:
+    while not sched.idle and client.tick < max_ticks:
+        sched.tick()
+        client.tick += 1
+
+
+def submit(sched, rid, ids, max_tokens, stops, **kw) -> None:
+    sched.handle(m.Generate(rid, ids, max_tokens, stop_token_ids=list(stops), **kw))
+
+
+@pytest.mark.parametrize("name", drafter_names())
+def test_batched_greedy_equals_alone(name, cfg, target32, tokenizer):
+    engine = Engine(cfg, create_drafter(name, target32, cfg.drafter.options_for(name)), target32)
+    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    alone = [engine.generate(x, max_new_tokens=12, stop_token_ids=stops).token_ids for x in ids]
+    client = Client()
+    sched = Scheduler(engine, client.send, max_waiting=64, max_step_tokens=256)
+    for i, x in enumerate(ids):
+        submit(sched, str(i), x, 12, stops)
+    run(sched, client)
+    assert [client.tokens[str(i)] for i in range(len(ids))] == alone
+    assert engine.pool.slots_used == 0
+    assert client.tick < sum(len(a) for a in alone)  # steps were shared: fewer steps than tokens
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(cfg, target32, tokenizer):
+    engine = Engine(cfg, create_drafter("ngram", target32, {"num_tokens": 4}), target32)
+    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    ids = [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS[:6]]
+    sampled = dict(temperature=0.9, top_p=0.95, seed=1234)
+    client = Client()
+    sched = Scheduler(engine, client.send, max_waiting=64)
+    submit(sched, "alone", ids[0], 16, stops, **sampled)
+    run(sched, client)
+    client2 = Client()
+    sched = Scheduler(engine, client2.send, max_waiting=64)
+    for i, x in enumerate(ids):  # the same request among greedy and differently seeded ones
+        extra = sampled if i == 0 else ({"temperature": 0.9, "seed": i} if i % 2 else {})
+        submit(sched, str(i), x, 16, stops, **extra)
+    run(sched, client2)
+    assert client2.tokens["0"] == client.tokens["alone"]
+
+
+def test_a_long_prompt_is_chunked_while_other_streams_step(cfg, target32, tokenizer):
+    engine = Engine(cfg, create_drafter("none", target32), target32)
+    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    long_text = " ".join(f"Item {i}: a red apple, a green pear." for i in range(30))
+    long_ids = encode_chat(tokenizer, [{"role": "user", "content": long_text + " How many items?"}])
+    short_ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
+    assert len(long_ids) > 300
+    whole = engine.generate(long_ids, max_new_tokens=8, stop_token_ids=stops).token_ids
+    client = Client()
+    sched = Scheduler(engine, client.send, max_waiting=64, max_step_tokens=64)
+    submit(sched, "short", short_ids, 40, [])
+    sched.tick()  # the short prompt is prefilled and streams
+    client.tick += 1
+    submit(sched, "long", long_ids, 8, stops)
+    run(sched, client)
+    first_long = client.arrivals["long"][0]
+    assert first_long >= 1 + len(long_ids) // 64  # prefilled over many steps, never more than the budget per step
+    short_ticks = client.arrivals["short"]
+    assert short_ticks[:first_long] == list(range(first_long))  # a token every step while the long prompt prefilled
+    assert client.tokens["long"] == whole
+
+
+class CountingDrafter:
+    """A real ngram drafter that counts its proposals."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.proposals = inner, inner.name, 0
+
+    def prefill(self, seq):
+        self.inner.prefill(seq)
+
+    def propose(self, seq):
+        self.proposals += 1
+        return self.inner.propose(seq)
+
+    def observe(self, seq, result):
+        self.inner.observe(seq, result)
+
+    def release(self, seq_id):
+        self.inner.release(seq_id)
+
+
+def test_one_row_is_a_plain_decode_step(cfg, target32, tokenizer):
+    drafter = CountingDrafter(create_drafter("ngram", target32, {"num_tokens": 6}))
+    engine = Engine(cfg, drafter, target32)
+    plain = Engine(cfg, create_drafter("none", target32), target32)
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "Repeat: one two three, one two three, one two"}])
+    ref = plain.generate(ids, max_new_tokens=16).token_ids
+    seq = engine.add(ids, max_new_tokens=16)
+    engine.prefill(seq)
+    while seq.finish_reason is None:
+        engine.run([seq], max_rows={seq.seq_id: 1})
+    engine.release(seq)
+    assert drafter.proposals == 0 and seq.stats.draft_tokens == 0
+    assert seq.output_ids == ref
+
+
+class Seq:
+    def __init__(self, seq_id):
+        self.seq_id = seq_id
+
+
+def test_goodput_budget_drafts_when_rows_are_cheap_and_stops_when_they_are_not():
+    seqs = [Seq(i) for i in range(4)]
+    flat = DraftBudget(lambda rows: 10.0 + 0.01 * rows, max_rows=8)
+    for s in seqs:
+        flat.record(s.seq_id, drafted=4, accepted=3, allowed=5)  # a good drafter: acceptance ~0.7
+    assert all(r == 8 for r in flat.plan(seqs).values())
+    linear = DraftBudget(lambda rows: 10.0 * rows, max_rows=8)  # every row costs a decode step: never pays
+    for s in seqs:
+        linear.record(s.seq_id, drafted=4, accepted=3, allowed=5)
+    assert all(r == 1 for r in linear.plan(seqs).values())
+    # between the two: the better drafter gets the rows first
+    mid = DraftBudget(lambda rows: 10.0 + 3.0 * rows, max_rows=8)
+    mid.record(0, drafted=6, accepted=6, allowed=7)
+    mid.record(1, drafted=6, accepted=0, allowed=7)
+    plan = mid.plan(seqs[:2])
+    assert plan[0] > 1 and plan[1] == 1
+    # a drafter that proposed less than allowed gets at most one row more next time
+    mid.record(0, drafted=2, accepted=2, allowed=8)
+    assert mid.plan(seqs[:1])[0] <= 4
+
+
+def test_budget_from_a_measured_curve_interpolates():
+    budget = DraftBudget.from_curve({1: 20.0, 8: 24.0, 64: 80.0})
+    assert budget.cost(1) == 20.0 and budget.cost(8) == 24.0
+    assert 20.0 < budget.cost(4) < 24.0 and budget.cost(128) > 80.0
+
+
+def test_an_engine_fault_fails_that_step_and_frees_its_slots(cfg, target32, tokenizer):
+    class Broken(CountingDrafter):
+        def propose(self, seq):
+            raise RuntimeError("drafter exploded")
+
+    engine = Engine(cfg, Broken(create_drafter("ngram", target32)), target32)
+    client = Client()
+    sched = Scheduler(engine, client.send, max_waiting=64, budget=DraftBudget.fixed())
+    ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPTS[0]}])
+    for i in range(3):
+        submit(sched, str(i), ids, 8, [])
+    run(sched, client)
+    assert all(isinstance(client.done[str(i)], m.Failed) for i in range(3))
+    assert "drafter exploded" in client.done["0"].message and engine.pool.slots_used == 0
