@@ -116,11 +116,23 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from server.bench.serve import format_serve_report, run_serve_bench
+    from server.bench.serve import (format_serve_report, parse_levels, plot_serve_report, require_matplotlib,
+                                    run_serve_bench)
 
+    levels = parse_levels(a.concurrency)
+    if a.num_requests is not None and a.num_requests < 1:
+        raise ValueError("--num-requests must be at least 1")
+    if a.plot:
+        require_matplotlib()  # before the sweep, not after minutes of it
     api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
-    rep = run_serve_bench(a.url, api_key, a.prompts, a.concurrency, a.num_requests, a.max_tokens)
+    try:
+        rep = run_serve_bench(a.url, api_key, a.prompts, levels, a.num_requests, a.max_tokens, a.warmup, log=_log)
+    except ConnectionError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
     _emit(format_serve_report(rep), rep, a.json)
+    if a.plot:
+        plot_serve_report(rep, a.plot)
     return 0 if rep["errors"] == 0 else 1
 
 
@@ -236,10 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     bs.add_argument("--api-key", default=None, help="bearer key (also $SPECSERVE_API_KEY)")
     bs.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
-    bs.add_argument("--concurrency", type=int, default=1)
-    bs.add_argument("--num-requests", type=int, default=16)
+    bs.add_argument("--concurrency", default="1", metavar="N[,N...]",
+                    help="requests in flight; a comma-separated list (e.g. 1,4,16,64) runs a sweep, one level after "
+                    "another against the same server")
+    bs.add_argument("--num-requests", type=int, default=None,
+                    help="requests per level (default: max(2 * concurrency, 8) for each level)")
     bs.add_argument("--max-tokens", type=int, default=64)
-    bs.add_argument("--json", default=None, metavar="OUT")
+    bs.add_argument("--warmup", type=int, default=1, metavar="N",
+                    help="short untimed requests before the first level (0: none)")
+    bs.add_argument("--json", default=None, metavar="OUT", help="write the full report (all levels) as JSON")
+    bs.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="plot output tok/s and TTFT/TPOT p50/p99 vs concurrency (needs matplotlib: "
+                    "pip install 'specserve[plot]')")
     bs.set_defaults(func=cmd_bench_serve)
 
     t = sub.add_parser("train", help="train drafters for the configured target (self-distilled, offline)")

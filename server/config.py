@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    num_slots: int = 4
+    num_slots: int | None = None  # KV slots = the most sequences running at once; null: sized from free memory
     max_seq_len: int = 2048
 
 
@@ -100,8 +100,8 @@ class EngineConfig:
             raise ConfigError(f"model.quantization must be one of {QUANTIZATIONS}, got {self.model.quantization!r}")
         if not (self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.model.device!r}")
-        if self.cache.num_slots < 1:
-            raise ConfigError("cache.num_slots must be >= 1")
+        if self.cache.num_slots is not None and self.cache.num_slots < 1:
+            raise ConfigError("cache.num_slots must be >= 1 (or null: sized from free memory)")
         if self.cache.max_seq_len < 2:
             raise ConfigError("cache.max_seq_len must be >= 2")
         if self.server.max_waiting < 0:

@@ -14,6 +14,7 @@ from server.worker import messages as m
 OUTCOMES = ("completed", "client_error", "server_error", "aborted")
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MAX_POSITIONS = 16  # accepted-per-position series for draft depths 1..16 (deeper ones count in the last)
 
 
@@ -49,6 +50,16 @@ class Metrics:
         self.accepted_length = Histogram("specserve_spec_accepted_length",
                                          "Tokens emitted per verify step (accepted drafts + bonus)", ln,
                                          buckets=tuple(range(1, MAX_POSITIONS + 2)), registry=r)
+        self.step_sequences = Histogram("specserve_step_batch_size", "Sequences stepping together in one target forward",
+                                        ln, buckets=_POWERS[:7], registry=r)
+        self.step_rows = Histogram("specserve_step_rows", "Rows of one target forward (tree rows + prompt-chunk tokens)",
+                                   ln, buckets=_POWERS, registry=r)
+        self.step_seconds = Histogram("specserve_step_duration_seconds", "Wall time of one batched step", ln,
+                                      buckets=_ITL, registry=r)
+        self.step_draft_rows = Counter("specserve_step_draft_rows", "Draft rows verified (the draft budget's grants)",
+                                       ln, registry=r)
+        self.step_prefill_tokens = Counter("specserve_step_prefill_tokens", "Prompt tokens prefilled in steps", ln,
+                                           registry=r)
         for o in OUTCOMES:  # export zeros so dashboards and balance checks see every outcome from the start
             self.requests.labels(**self.labels, outcome=o)
         for p in range(1, MAX_POSITIONS + 1):
@@ -60,6 +71,13 @@ class Metrics:
             self.running.labels(**lb).set(msg.running)
             self.waiting.labels(**lb).set(msg.waiting)
             self.kv_usage.labels(**lb).set(msg.kv_usage)
+        elif isinstance(msg, m.Step):
+            if msg.sequences:
+                self.step_sequences.labels(**lb).observe(msg.sequences)
+            self.step_rows.labels(**lb).observe(msg.rows)
+            self.step_seconds.labels(**lb).observe(msg.seconds)
+            self.step_draft_rows.labels(**lb).inc(msg.draft_rows)
+            self.step_prefill_tokens.labels(**lb).inc(msg.prefill_tokens)
         elif isinstance(msg, m.Tokens):
             for st in msg.steps:
                 self.verify_steps.labels(**lb).inc()

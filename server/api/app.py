@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -108,6 +109,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     ready = worker.start()
     log.info("worker ready: model %s, drafter %s, %s %s, %d slots x %d tokens", ready.model_id, ready.drafter,
              ready.device, ready.dtype, ready.num_slots, ready.max_seq_len)
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_slots=ready.num_slots))  # as sized
     metrics = Metrics(cfg.server.served_model_name or ready.model_id, ready.drafter)
     worker.add_listener(metrics.on_worker_message)
     state = ServerState(cfg=cfg, worker=worker, tokenizer=tokenizer, metrics=metrics,

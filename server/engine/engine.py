@@ -26,7 +26,7 @@ from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling
 from server.engine.backend import compact_kv, make_attention
-from server.engine.kv_cache import KVCachePool, NoFreeSlotError
+from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
 from server.engine.model import Llama, Segment
 from server.engine.quant import quantize_model
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
@@ -186,7 +186,9 @@ class Engine:
         self.model = target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype
-        self.pool = KVCachePool(a.num_layers, cfg.cache.num_slots, a.num_kv_heads, cfg.cache.max_seq_len,
+        slots = cfg.cache.num_slots or auto_num_slots(bytes_per_slot(
+            a.num_layers, a.num_kv_heads, cfg.cache.max_seq_len, a.head_dim, a.hidden_size, self.dtype), self.device)
+        self.pool = KVCachePool(a.num_layers, slots, a.num_kv_heads, cfg.cache.max_seq_len,
                                 a.head_dim, a.hidden_size, self.dtype, self.device)
         self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
         self.max_seq_len = cfg.cache.max_seq_len

@@ -14,6 +14,34 @@ class NoFreeSlotError(RuntimeError):
     """Every KV slot is taken; the caller should queue the request or retry later."""
 
 
+AUTO_MAX_SLOTS = 64      # sequences a step batches at most, by default
+AUTO_MEMORY_SHARE = 0.25  # of the memory free at start, for an automatically sized pool
+
+
+def bytes_per_slot(num_layers: int, num_kv_heads: int, max_seq_len: int, head_dim: int, hidden_size: int,
+                   dtype: torch.dtype) -> int:
+    """K and V of every layer plus the hidden states, for one sequence of ``max_seq_len`` tokens."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    return (2 * num_layers * num_kv_heads * head_dim + hidden_size) * max_seq_len * item
+
+
+def auto_num_slots(per_slot: int, device: torch.device) -> int:
+    """KV slots for ``cache.num_slots: null``: a quarter of the memory free now (MemAvailable on CPU, free device
+    memory on CUDA, after the weights are loaded), at most AUTO_MAX_SLOTS, at least 1."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = 0
+        try:
+            for line in open("/proc/meminfo"):
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        free = free or 4 << 30  # unknown: assume 4 GiB
+    return max(1, min(AUTO_MAX_SLOTS, int(free * AUTO_MEMORY_SHARE) // per_slot))
+
+
 class KVCachePool:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):

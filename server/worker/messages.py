@@ -94,8 +94,18 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     kv_usage: float
 
 
+class Step(msgspec.Struct, tag="step", frozen=True):
+    """One batched target forward: what the draft budget and the token budget put in it."""
+
+    sequences: int       # sequences that took a speculative step
+    rows: int            # rows of the forward: tree rows (roots included) + prompt-chunk tokens
+    draft_rows: int      # draft tokens verified (rows past the roots)
+    prefill_tokens: int  # prompt tokens prefilled
+    seconds: float
+
+
 ToWorker = Generate | Abort | Shutdown | Ping
-FromWorker = Ready | Tokens | Failed | Aborted | Status | Pong
+FromWorker = Ready | Tokens | Failed | Aborted | Status | Pong | Step
 
 _to_worker = msgspec.msgpack.Decoder(ToWorker)
 _from_worker = msgspec.msgpack.Decoder(FromWorker)

@@ -51,7 +51,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
             conn.send_bytes(data)
 
     a = engine.model.args
-    send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, cfg.cache.num_slots,
+    send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, engine.pool.num_slots,
                  a.vocab_size, str(engine.device), str(engine.dtype).removeprefix("torch.")))
     budget = DraftBudget.fixed()
     if cfg.server.draft_budget == "goodput" and engine.drafter.name != "none":
@@ -181,7 +181,7 @@ class WorkerClient:
     def _dispatch(self, msg: m.FromWorker) -> None:
         for fn in self._listeners:
             fn(msg)
-        if isinstance(msg, m.Status):  # for the listeners (metrics) only
+        if isinstance(msg, (m.Status, m.Step)):  # for the listeners (metrics) only
             return
         q = self._queues.get(msg.request_id)
         if q is not None:

@@ -104,7 +104,7 @@ class Scheduler:
             return
         batch = {**decoding, **{rid: self.running[rid] for rid in chunks}}
         before = {rid: (s.stats.draft_tokens, s.stats.accepted_tokens) for rid, s in decoding.items()}
-        self._busy_since = time.monotonic()
+        self._busy_since = started = time.monotonic()
         try:
             emitted = self.engine.run(list(decoding.values()), [(self.running[rid], n) for rid, n in chunks.items()],
                                       max_rows)
@@ -117,6 +117,9 @@ class Scheduler:
             return
         finally:
             self._busy_since = None
+        drafted = sum(s.stats.draft_tokens - before[rid][0] for rid, s in decoding.items())
+        self.send(m.Step(len(decoding), len(decoding) + drafted + sum(chunks.values()), drafted,
+                         sum(chunks.values()), time.monotonic() - started))
         for rid, seq in decoding.items():
             d0, a0 = before[rid]
             self.budget.record(seq.seq_id, seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0,

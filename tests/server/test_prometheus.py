@@ -46,6 +46,9 @@ def test_prometheus_scrapes_our_series(server, prometheus_bin, tmp_path):
                 pass
         assert result, "Prometheus never returned our series"
         assert result[0]["metric"]["job"] == "specserve" and float(result[0]["value"][1]) >= 1
+        steps = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", timeout=5,
+                          params={"query": "specserve_step_rows_count"}).json()["data"]["result"]
+        assert steps and float(steps[0]["value"][1]) >= 4  # one batched step per token of the request at least
         up = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": "up"}, timeout=5).json()
         assert up["data"]["result"][0]["value"][1] == "1"
     finally:
