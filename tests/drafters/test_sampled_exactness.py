@@ -15,7 +15,9 @@ proposed and accepted, also at depth 2, and, where the drafter makes them, that 
 distributions q and sibling branches and that a non-first sibling was accepted. Negative controls (power): with
 acceptance broken to take the first child all the way down, the same check fails for every drafter; and the subtler
 classic bug (a rejection leaves p as it was: later siblings and the bonus see p, not the residual) fails it too,
-through glide-cape, whose trees hold both q rows and point-mass siblings.
+through glide-cape, whose trees hold both q rows and point-mass siblings. In batches (glide-cape, cascade), 8
+requests with different trees share every target forward and still sample the target's distribution, and the
+residual bug is caught there too.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ K = 3                               # tokens per request: the first from prefill
 N = 6000                            # requests per drafter
 N_CONTROL = 1500                    # requests per negative control (a quarter of N: it must fail even so)
 GLIDE_VOCAB = 12                    # GLIDE's LM head keeps a random 12 of the 16 tokens (its vocab_ids path)
+BATCH = 8                           # requests per batched target forward in the batched cases
 SEED_STRIDE = 1000  # request seeds far apart (independent requests; drafters hash their own streams from them)
 
 
@@ -113,9 +116,9 @@ def target(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def _config(tiny_dir, drafter: dict | None = None):
+def _config(tiny_dir, drafter: dict | None = None, slots: int = 1):
     return config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
-                             "cache": {"num_slots": 1, "max_seq_len": 32}, "drafter": drafter or {}})
+                             "cache": {"num_slots": slots, "max_seq_len": 32}, "drafter": drafter or {}})
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +141,10 @@ def weight_files(target, tmp_path_factory) -> dict[str, str]:
     return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors")}
 
 
-def make_engine(tiny_dir, target, weight_files, name: str) -> Engine:
+def make_engine(tiny_dir, target, weight_files, name: str, slots: int = 1) -> Engine:
     """An engine whose drafter the registry builds from the config, as `specserve` does."""
     options = {k: v.format(**weight_files) if isinstance(v, str) else v for k, v in CASES[name].options.items()}
-    engine = Engine(_config(tiny_dir, {"name": name, name: options}), target=target)
+    engine = Engine(_config(tiny_dir, {"name": name, name: options}, slots), target=target)
     assert engine.drafter.name == name
     return engine
 
@@ -188,6 +191,26 @@ def sample_joint(engine: Engine, sp: SamplingParams, n: int, seed0: int) -> torc
             engine.release(seq)
         assert seq.num_generated == K
         counts[tuple(seq.output_ids)] += 1
+    return counts
+
+
+def sample_joint_batched(engine: Engine, sp: SamplingParams, n: int, seed0: int, batch: int = BATCH) -> torch.Tensor:
+    """As sample_joint, but ``batch`` requests at a time share every target forward (``Engine.run``): one prefill
+    forward for all, then batched speculative steps, each sequence with its own tree and its own generator."""
+    counts = torch.zeros(V, V, V)
+    for b in range(0, n, batch):
+        seqs = [engine.add(PROMPT, dataclasses.replace(sp, seed=seed0 + i * SEED_STRIDE), max_new_tokens=K)
+                for i in range(b, min(n, b + batch))]
+        try:
+            engine.run([], [(seq, seq.prompt_len) for seq in seqs])
+            while any(seq.finish_reason is None for seq in seqs):
+                engine.run([seq for seq in seqs if seq.finish_reason is None])
+        finally:
+            for seq in seqs:
+                engine.release(seq)
+        for seq in seqs:
+            assert seq.num_generated == K
+            counts[tuple(seq.output_ids)] += 1
     return counts
 
 
@@ -282,6 +305,29 @@ def test_negative_control_bonus_from_p_instead_of_the_residual_is_caught(tiny_di
     pvalue = chi2_pvalue(counts, reference_joint(reference_logits, sp))
     print(f"\n{name} (no residual): p = {pvalue:.3g}")
     assert pvalue < 1e-6
+
+
+@pytest.mark.parametrize("name", ["glide-cape", "cascade"])  # q rows and sibling trees; Max-Gram branches
+def test_sampling_in_a_batch_matches_the_target(name, tiny_dir, target, weight_files, reference_logits, monkeypatch):
+    """Sequences stepped together, with different trees in one forward, still sample the target's distribution."""
+    case = CASES[name]
+    engine = make_engine(tiny_dir, target, weight_files, name, slots=BATCH)
+    cov = Coverage()
+    monkeypatch.setattr(engine_module, "accept_sampling", recording(engine_module.accept_sampling, cov))
+    counts = sample_joint_batched(engine, case.sampling, N, seed_base(name, control=4))
+    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, case.sampling))
+    print(f"\n{name} in batches of {BATCH}: p = {pvalue:.4g}; {cov}")
+    assert cov.accepted >= N // 20 and cov.sibling_trees >= cov.steps // 2, cov
+    assert pvalue > 1e-3, f"{name}: batched sampling does not follow the target's distribution (p = {pvalue:.3g})"
+
+
+def test_negative_control_in_a_batch_is_caught(tiny_dir, target, weight_files, reference_logits, monkeypatch):
+    name = "glide-cape"
+    monkeypatch.setattr(engine_module, "accept_sampling", accept_without_residual)
+    engine = make_engine(tiny_dir, target, weight_files, name, slots=BATCH)
+    sp = CASES[name].sampling
+    counts = sample_joint_batched(engine, sp, N_CONTROL, seed_base(name, control=5))
+    assert chi2_pvalue(counts, reference_joint(reference_logits, sp)) < 1e-6
 
 
 def test_every_registered_drafter_has_a_case():
