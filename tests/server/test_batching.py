@@ -200,3 +200,22 @@ def test_an_engine_fault_fails_that_step_and_frees_its_slots(cfg, target32, toke
     run(sched, client)
     assert all(isinstance(client.done[str(i)], m.Failed) for i in range(3))
     assert "drafter exploded" in client.done["0"].message and engine.pool.slots_used == 0
+
+
+@pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
+def test_steps_without_drafts_keep_every_drafter_exact(name, cfg, target32, tokenizer):
+    """The budget may skip a drafter for some steps (a plain decode step); its state must follow anyway."""
+    engine = Engine(cfg, create_drafter(name, target32, cfg.drafter.options_for(name)), target32)
+    plain = Engine(cfg, create_drafter("none", target32), target32)
+    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    ids = encode_chat(tokenizer, [{"role": "user", "content": "Write a Python function that adds two numbers."}])
+    ref = plain.generate(ids, max_new_tokens=24, stop_token_ids=stops).token_ids
+    seq = engine.add(ids, max_new_tokens=24, stop_token_ids=stops)
+    engine.prefill(seq)
+    step = 0
+    while seq.finish_reason is None:
+        engine.run([seq], max_rows={seq.seq_id: 1 if step % 3 else 64})  # draft every third step only
+        step += 1
+    engine.release(seq)
+    assert seq.output_ids == ref
+    assert seq.stats.draft_tokens > 0
