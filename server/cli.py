@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests per level (default: max(2 * concurrency, 8) for each level)")
     bs.add_argument("--max-tokens", type=int, default=64)
     bs.add_argument("--warmup", type=int, default=1, metavar="N",
-                    help="short untimed requests before the first level (0: none)")
+                    help="untimed requests of --max-tokens before the first level (default 1; 0: none)")
     bs.add_argument("--json", default=None, metavar="OUT", help="write the full report (all levels) as JSON")
     bs.add_argument("--plot", default=None, metavar="FILE.png",
                     help="plot output tok/s and TTFT/TPOT p50/p99 vs concurrency (needs matplotlib: "

@@ -1,8 +1,8 @@
 """`specserve bench serve`: drive a running server through the OpenAI streaming API at one or more concurrencies.
 
-For each concurrency level in turn (one sweep, one server, one short warm-up request first), sends `num_requests`
-chat/text completions from a prompts file with that many in flight, greedy, streaming with `include_usage`, and
-reports per level: request throughput, output tokens/s and errors, plus median / p90 / p99 of
+For each concurrency level in turn (one sweep, one server, an untimed warm-up request of the same length first),
+sends `num_requests` chat/text completions from a prompts file with that many in flight, greedy, streaming with
+`include_usage`, and reports per level: request throughput, output tokens/s and errors, plus median / p90 / p99 of
 
 - TTFT: request sent -> first chunk that carries text;
 - TPOT: time per output token after the first, per request: (E2E - TTFT) / (tokens - 1);
@@ -16,13 +16,12 @@ Works against any OpenAI-compatible server; token counts come from the usage chu
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import statistics
 import time
 
 from server.bench.offline import read_prompts
-
-WARMUP_MAX_TOKENS = 8
 
 
 def parse_levels(arg: str) -> list[int]:
@@ -88,7 +87,7 @@ async def _one(client, model: str, rec: dict, max_tokens: int) -> dict:
     end = time.perf_counter()
     n = usage.completion_tokens if usage is not None else len(arrivals)
     ttft = (arrivals[0] if arrivals else end) - t0
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {"ttft": ttft, "e2e": end - t0, "tokens": n, "chunks": len(arrivals),
             "tpot": (end - t0 - ttft) / (n - 1) if arrivals and n > 1 else None, "gaps": gaps}
 
@@ -111,7 +110,7 @@ async def _level(client, model: str, prompts: list[dict], concurrency: int, num_
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     return {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens,
-            "completed": len(results), "errors": len(errors), "error_samples": errors[:5],
+            "completed": len(results), "errors": len(errors), "error_samples": list(dict.fromkeys(errors))[:5],
             "wall_s": wall, "requests_per_s": len(results) / wall, "output_tokens_per_s": tokens / wall,
             "output_tokens": tokens, "ttft_s": _summary([r["ttft"] for r in results]),
             "tpot_s": _summary([r["tpot"] for r in results if r["tpot"] is not None]),
@@ -132,8 +131,8 @@ async def _run(url: str, api_key: str | None, prompts: list[dict], levels: list[
     try:
         try:
             model = (await client.models.list()).data[0].id
-            for i in range(warmup):  # first-request costs (connections, lazy setup) stay out of the first level
-                await _one(client, model, prompts[i % len(prompts)], min(max_tokens, WARMUP_MAX_TOKENS))
+            for i in range(warmup):  # first-use costs (connections, lazy setup) stay out of the first level
+                await _one(client, model, prompts[i % len(prompts)], max_tokens)
         except Exception as e:
             raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from e
         out = []
@@ -199,7 +198,7 @@ def plot_serve_report(r: dict, path: str) -> None:
     for ax, key, name in ((ax_ttft, "ttft_s", "TTFT"), (ax_tpot, "tpot_s", "TPOT")):
         ax.plot(xs, ms(key, "median"), "o-", label="p50")
         ax.plot(xs, ms(key, "p99"), "s--", label="p99")
-        ax.set(title=name, ylabel="ms")
+        ax.set(title=name, ylabel="ms (log scale)", yscale="log")  # one slow outlier would flatten the rest
         ax.legend()
     for ax in (ax_tp, ax_ttft, ax_tpot):
         ax.set_xscale("log", base=2)
