@@ -179,6 +179,53 @@ def _attention(calls: list, T: int, causal: bool = False):
     return attention
 
 
+def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: torch.dtype, max_len: int,
+                                device: torch.device):
+    """Attention for B decode steps of different sequences in one call (CPU): q [B, H, D] and one layer of the pool
+    k/v [num_slots, H_kv, S, D] -> [B, H, D]. Row b reads slot ``slots[b]``'s keys 0..cache_lens[b] (its own new key
+    included, already written), padded to the decode form's key count and masked as a lone decode step would be.
+
+    Sequences with the same padded key count share one batched matmul (16-bit: ``_rowwise_attention``'s products
+    per sequence, so a row keeps its bits whatever else is in the batch) or one SDPA call (float32, batch over
+    sequences); their keys are gathered from the pool once per layer. Per-sequence calls cost a few dozen small ops
+    each per layer: at 64 sequences that was more than the matmuls of the whole step.
+    """
+    groups: dict[int, list[int]] = {}
+    for b, n in enumerate(cache_lens):
+        groups.setdefault(min(-(-(n + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(b)
+    plan = []
+    for e, members in groups.items():
+        mask = torch.full((len(members), e), float("-inf"), dtype=torch.float32, device=device)  # [b, e]
+        for i, b in enumerate(members):
+            mask[i, :cache_lens[b] + 1] = 0.0
+        rows = torch.tensor(members, device=device)
+        plan.append((rows, torch.tensor([slots[b] for b in members], device=device), e,
+                     mask if dtype != torch.float32 else mask[:, None, None, :]))
+
+    def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+        B, H, D = q.shape
+        Hkv = k_layer.shape[1]
+        g = H // Hkv
+        out = q.new_empty(q.shape) if len(plan) > 1 else None
+        for rows, slot_ids, e, mask in plan:
+            qr = q if out is None else q[rows]
+            k = k_layer[:, :, :e].index_select(0, slot_ids)  # [b, H_kv, e, D]
+            v = v_layer[:, :, :e].index_select(0, slot_ids)
+            if dtype == torch.float32:
+                o = F.scaled_dot_product_attention(qr.unsqueeze(2), k, v, attn_mask=mask,
+                                                   enable_gqa=True).squeeze(2)  # [b, H, D]
+            else:
+                s = torch.matmul(qr.view(-1, Hkv, g, D), k.transpose(2, 3)).float().mul_(1.0 / math.sqrt(D))
+                p = torch.softmax(s.add_(mask[:, None, None, :]), dim=-1).to(q.dtype)  # [b, H_kv, g, e]
+                o = torch.matmul(p, v).view(-1, H, D)
+            if out is None:
+                return o
+            out[rows] = o
+        return out
+
+    return attention
+
+
 def compact_kv(k: torch.Tensor, v: torch.Tensor, slot: int, src_rows: torch.Tensor, dst_start: int) -> None:
     """Move accepted rows of every layer into place (k, v: [L, slots, H_kv, S, D])."""
     (kv_compact if k.device.type == "cuda" else kv_compact_ref)(k, v, slot, src_rows, dst_start)

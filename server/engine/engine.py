@@ -25,9 +25,9 @@ from drafters.base import Drafter, create_drafter
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling
-from server.engine.backend import compact_kv, make_attention
+from server.engine.backend import compact_kv, make_attention, make_decode_group_attention
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
-from server.engine.model import Llama, Segment
+from server.engine.model import DecodeGroup, Llama, Segment
 from server.engine.quant import quantize_model
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
@@ -234,17 +234,30 @@ class Engine:
     def _forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
         tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
-        segments, start = [], 0
+        # Decode steps of several sequences attend in one batched call on CPU (per-sequence calls cost a few dozen
+        # small ops per layer each); trees and prompt chunks attend per sequence.
+        batch_decodes = self.device.type == "cpu" and sum(len(p[1]) == 1 for p in parts) > 1
+        segments, decodes, start = [], [], 0
         for seq, tokens, _, tree_mask in parts:
             n = len(tokens)
-            attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
-            segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
-                                    seq.cache_len, tree_mask, attn))
+            if batch_decodes and n == 1:
+                decodes.append((start, seq))
+            else:
+                attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+                segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
+                                        seq.cache_len, tree_mask, attn))
             start += n
+        group = None
+        if decodes:
+            slots, lens = [s.slot for _, s in decodes], [s.cache_len for _, s in decodes]
+            group = DecodeGroup(torch.tensor([r for r, _ in decodes], device=self.device),
+                                torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
+                                self.pool.k, self.pool.v,
+                                make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
         tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        return self.model(ids, positions, segments)  # [T, hidden]
+        return self.model(ids, positions, segments, group)  # [T, hidden]
 
     def prefill(self, seq: Sequence) -> list[int]:
         """Cache the whole prompt's KV and sample the first token; returns the tokens emitted."""

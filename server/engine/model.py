@@ -37,6 +37,19 @@ class Segment:
     attention: AttentionFn
 
 
+@dataclass
+class DecodeGroup:
+    """Single-row segments (decode steps) of several sequences, attended in one batched call (CPU): row ``rows[b]``
+    of the batch is the next token of the sequence in slot ``slots[b]``, at cache row ``positions[b]``."""
+
+    rows: torch.Tensor       # [B] long
+    slots: torch.Tensor      # [B] long
+    positions: torch.Tensor  # [B] long, each sequence's cache length
+    k: torch.Tensor          # [L, num_slots, H_kv, S, D], the whole pool
+    v: torch.Tensor
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [B,H,D], k/v [slots,H_kv,S,D]
+
+
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -49,13 +62,18 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, segments: list[Segment]):
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: DecodeGroup | None = None):
         a = self.a
         T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
         qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
-        o = None if len(segments) == 1 else qkv.new_empty(T, H, a.head_dim)
+        o = None if len(segments) == 1 and group is None else qkv.new_empty(T, H, a.head_dim)
+        if group is not None:
+            k_layer, v_layer = group.k[layer], group.v[layer]  # [num_slots, H_kv, S, D]
+            k_layer[group.slots, :, group.positions] = qk[group.rows, H:]
+            v_layer[group.slots, :, group.positions] = qkv[group.rows, H + H_kv:]
+            o[group.rows] = group.attention(qk[group.rows, :H], k_layer, v_layer)
         for s in segments:  # attention reads each sequence's own KV; the matmuls around it take every row at once
             k_cache, v_cache, n = s.k[layer], s.v[layer], s.end - s.start
             # New rows go right after the prefix; acceptance later compacts the accepted ones into place.
@@ -83,16 +101,18 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(args, max_len)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                group: DecodeGroup | None = None) -> torch.Tensor:
         """Run the new rows of one or more sequences; returns the last layer's hidden states (before the final
         norm), [T, hidden].
 
-        tokens, positions: [T], the segments' rows back to back (positions = each sequence's cache length + depth).
+        tokens, positions: [T], the sequences' rows back to back (positions = each sequence's cache length + depth);
+        ``segments`` and ``group`` (decode steps attended together) say whose rows are where.
         """
         x = self.embed(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, i, segments)  # .forward: skip hook dispatch
+            x = layer.forward(x, cos, sin, i, segments, group)  # .forward: skip hook dispatch
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
