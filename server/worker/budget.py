@@ -1,36 +1,38 @@
-"""The load-aware draft budget: how many tree rows each sequence verifies in the next batched step.
+"""The load-aware draft budget: which sequences draft in the next batched step, and how many tree rows they verify.
 
-Speculation trades verify rows for tokens. Alone on the machine a sequence's extra rows are nearly free (T(8) is
-about 1.1 T(1) on a 2-core CPU in bfloat16); in a full batch every extra row costs as much as another sequence's
-decode row. So each step the budget gives rows where they buy the most tokens per second of the whole step
-(goodput, as in SmartSpec):
+Speculation trades work for tokens. Alone on the machine drafting nearly always pays (a verify of 8 rows costs about
+1.1 decode steps on a 2-core CPU in bfloat16); in a full batch every drafting sequence adds its drafter's forward and
+its tree rows to a step that all sequences wait for, and plain decoding is the better use of the step. So before each
+step the budget keeps drafting only where it raises the expected tokens per second of the whole step (goodput, as in
+SmartSpec), from costs and gains measured as the server runs:
 
-- ``cost(rows)``: the target's measured step time against the total rows of the step (``stepcost.step_costs``);
-- per sequence, its drafter's acceptance rate a (a decayed count of accepted / tried draft tokens, where a step tries
-  tokens up to its first rejection), so a chain of r rows is expected to emit 1 + a + ... + a^(r-1) tokens;
-- rows are handed out one at a time to the sequence whose next row has the highest expected gain a^r, while the
-  step's expected tokens per second still grow. A sequence left at 1 row takes a plain decode step: the drafter is
-  not asked (``Engine.run``'s ``max_rows``), so a budget of 0 costs nothing over plain decoding.
+- ``cost(rows)``: the target's step time against the total rows of the step, measured at start
+  (``stepcost.step_costs``);
+- per drafter call: its time (the ``propose`` call and what drafting a sequence adds to the step beyond its rows: an
+  attention call of its own instead of the shared decode one), a decayed mean over recent steps;
+- per sequence: the draft tokens its steps accepted (decayed mean; a sequence that has not drafted yet starts from the
+  mean of all sequences) and the rows its drafter proposed last time.
 
-A drafter that proposes fewer rows than it was allowed (``none``, a short n-gram match) is not given more than it
-used; its cap grows again by one row per step, so it can draft longer when it has more to say.
+Sequences are taken in order of expected accepted tokens per unit of cost, each kept while the step's expected tokens
+per second still grow. A sequence left out takes a plain decode step: the drafter is not called (``Engine.run``'s
+``max_rows`` of 1), so under full load speculation costs nothing over plain decoding.
 """
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable
+from typing import Callable
 
 from core.tree import MAX_TREE_ROWS
 
 
 class DraftBudget:
-    def __init__(self, cost: Callable[[int], float] | None, max_rows: int = MAX_TREE_ROWS, prior: float = 0.5,
-                 decay: float = 0.8):
-        self.cost, self.max_rows, self.prior, self.decay = cost, max_rows, prior, decay
-        self._accepted: dict[int, float] = {}  # seq_id -> decayed accepted draft tokens
-        self._tried: dict[int, float] = {}     # seq_id -> decayed tried draft tokens
-        self._cap: dict[int, int] = {}         # seq_id -> rows it may get (grows back after short proposals)
-        self._last: dict[int, int] = {}        # seq_id -> rows its last step verified
+    def __init__(self, cost: Callable[[int], float] | None, max_rows: int = MAX_TREE_ROWS, decay: float = 0.8):
+        self.cost, self.max_rows, self.decay = cost, max_rows, decay
+        self._accepted: dict[int, float] = {}  # seq_id -> decayed mean accepted draft tokens per drafted step
+        self._rows: dict[int, int] = {}        # seq_id -> rows its drafter proposed last time (root included)
+        self.mean_accepted = 1.0               # over all sequences: the start value of a new one (optimistic)
+        self.draft_ms = 0.0                    # decayed mean cost of drafting one sequence in a step, beyond its rows
+        self.seq_ms = 0.0                      # decayed mean per-sequence cost of a step beyond its rows
         self.last_plan: dict[int, int] = {}
 
     @classmethod
@@ -40,65 +42,78 @@ class DraftBudget:
 
     @staticmethod
     def from_curve(curve: dict[int, float], **kw) -> "DraftBudget":
-        """A budget whose step cost interpolates a measured curve {rows: ms} (linearly, extrapolated past its ends)."""
+        """A budget whose step cost (ms) interpolates a measured curve {rows: ms} linearly, extrapolated past its
+        ends."""
         xs = sorted(curve)
         ys = [curve[x] for x in xs]
 
         def cost(rows: int) -> float:
             if len(xs) == 1:
-                return ys[0] * max(rows, 1) / xs[0] if rows > xs[0] else ys[0]
+                return ys[0] * rows / xs[0] if rows > xs[0] else ys[0]
             i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)
             x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
             return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 1e-6)
 
         return DraftBudget(cost, **kw)
 
-    def acceptance(self, seq_id: int) -> float:
-        """The sequence's estimated per-token acceptance rate (the prior, weighted as one tried token, at start)."""
-        return (self._accepted.get(seq_id, 0.0) + self.prior) / (self._tried.get(seq_id, 0.0) + 1.0)
+    def expected_accepted(self, seq_id: int) -> float:
+        return self._accepted.get(seq_id, self.mean_accepted)
+
+    def expected_rows(self, seq_id: int, allowed: int) -> int:
+        """Rows a sequence allowed ``allowed`` will likely verify."""
+        return min(allowed, self._rows.get(seq_id, allowed))
 
     def plan(self, seqs: list, fixed_rows: int = 0) -> dict[int, int]:
-        """{seq_id: max tree rows (root included)} for the sequences that step next; ``fixed_rows`` other rows
-        (prompt chunks) share the step."""
+        """{seq_id: max tree rows (root included)} for the sequences that step next: 1 (a plain decode step) or what
+        the drafter may propose; ``fixed_rows`` other rows (prompt chunks) share the step."""
         if self.cost is None:
             self.last_plan = {s.seq_id: self.max_rows for s in seqs}
             return self.last_plan
-        rows = {s.seq_id: 1 for s in seqs}
-        rate = {s.seq_id: self.acceptance(s.seq_id) for s in seqs}
-        caps = {s.seq_id: self._cap.get(s.seq_id, self.max_rows) for s in seqs}
-        total = len(seqs) + fixed_rows
-        tokens = float(len(seqs))  # expected tokens emitted by the step: 1 per sequence without drafts
-        step = self.cost(total)
-        while True:
-            open_ = [i for i in rows if rows[i] < caps[i]]
-            if not open_:
-                break
-            best = max(open_, key=lambda i: rate[i] ** rows[i])
-            gain = rate[best] ** rows[best]
-            longer = self.cost(total + 1)
-            if (tokens + gain) / longer <= tokens / step:
-                break
-            rows[best] += 1
-            tokens, total, step = tokens + gain, total + 1, longer
-        self.last_plan = rows
-        return rows
+        plan = {s.seq_id: 1 for s in seqs}
+        rows, drafting = len(seqs) + fixed_rows, 0
+        tokens, spent = float(len(seqs)), self.cost(rows) + self.seq_ms * len(seqs)
 
-    def expected_rows(self, seq_id: int, allowed: int) -> int:
-        """Rows a sequence allowed ``allowed`` will likely verify (its last step's count, capped)."""
-        return min(allowed, self._last.get(seq_id, allowed))
+        def extra_rows(i: int) -> int:
+            return self._rows.get(i, 8) - 1  # before a first proposal: a typical tree
+
+        def value(i: int) -> float:  # accepted tokens per ms that drafting adds to an otherwise plain step
+            return self.expected_accepted(i) / max(self.draft_ms + self.cost(rows + extra_rows(i)) - self.cost(rows),
+                                                   1e-3)
+
+        for i in sorted(plan, key=value, reverse=True):
+            more = extra_rows(i)
+            longer = self.cost(rows + more) + self.seq_ms * len(seqs) + self.draft_ms * (drafting + 1)
+            gained = tokens + self.expected_accepted(i)
+            if more < 1 or gained / longer <= tokens / spent:
+                break
+            plan[i] = self.max_rows
+            rows, drafting, tokens, spent = rows + more, drafting + 1, gained, longer
+        self.last_plan = plan
+        return plan
 
     def record(self, seq_id: int, drafted: int, accepted: int, allowed: int) -> None:
-        """One step of a sequence: ``drafted`` draft tokens verified, ``accepted`` of them accepted, under a cap of
-        ``allowed`` rows."""
-        self._last[seq_id] = drafted + 1
-        if drafted == 0 and allowed <= 1:
-            return  # a plain decode step: nothing learned about the drafter
-        tried = accepted + (1 if accepted < drafted else 0)
-        self._accepted[seq_id] = self.decay * self._accepted.get(seq_id, 0.0) + accepted
-        self._tried[seq_id] = self.decay * self._tried.get(seq_id, 0.0) + tried
-        proposed = drafted + 1
-        self._cap[seq_id] = min(self.max_rows, proposed + 1) if proposed < allowed else self.max_rows
+        """One step of a sequence: ``drafted`` draft tokens verified, ``accepted`` of them accepted, when allowed
+        ``allowed`` rows (1: it did not draft, nothing is learned)."""
+        if allowed <= 1:
+            return
+        d = self.decay
+        self._rows[seq_id] = drafted + 1
+        self._accepted[seq_id] = d * self._accepted.get(seq_id, self.mean_accepted) + (1 - d) * accepted
+        self.mean_accepted = d * self.mean_accepted + (1 - d) * accepted
+
+    def record_step(self, step_ms: float, rows: int, sequences: int, drafting: int) -> None:
+        """A whole step took ``step_ms`` for ``rows`` rows of ``sequences`` stepping sequences, ``drafting`` of them
+        drafting. What the rows' cost curve does not explain is per-sequence work (acceptance, attention calls),
+        learned from steps without drafts, and then the drafters' cost (their forwards, their trees' attention)."""
+        if self.cost is None or sequences == 0:
+            return
+        rest = step_ms - self.cost(rows)
+        d = self.decay
+        if drafting == 0:
+            self.seq_ms = d * self.seq_ms + (1 - d) * max(0.0, rest / sequences)
+        else:
+            self.draft_ms = d * self.draft_ms + (1 - d) * max(0.0, rest - self.seq_ms * sequences) / drafting
 
     def forget(self, seq) -> None:
-        for d in (self._accepted, self._tried, self._cap, self._last, self.last_plan):
+        for d in (self._accepted, self._rows, self.last_plan):
             d.pop(seq.seq_id, None)

@@ -117,9 +117,11 @@ class Scheduler:
             return
         finally:
             self._busy_since = None
+        seconds = time.monotonic() - started
         drafted = sum(s.stats.draft_tokens - before[rid][0] for rid, s in decoding.items())
-        self.send(m.Step(len(decoding), len(decoding) + drafted + sum(chunks.values()), drafted,
-                         sum(chunks.values()), time.monotonic() - started))
+        rows = len(decoding) + drafted + sum(chunks.values())
+        self.send(m.Step(len(decoding), rows, drafted, sum(chunks.values()), seconds))
+        self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()))
         for rid, seq in decoding.items():
             d0, a0 = before[rid]
             self.budget.record(seq.seq_id, seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0,

@@ -159,25 +159,36 @@ class Seq:
         self.seq_id = seq_id
 
 
-def test_goodput_budget_drafts_when_rows_are_cheap_and_stops_when_they_are_not():
+def test_goodput_budget_drafts_when_it_pays_and_stops_under_load():
     seqs = [Seq(i) for i in range(4)]
-    flat = DraftBudget(lambda rows: 10.0 + 0.01 * rows, max_rows=8)
+    flat = DraftBudget(lambda rows: 20.0 + 0.1 * rows, max_rows=64)  # rows nearly free, drafting cheap
     for s in seqs:
-        flat.record(s.seq_id, drafted=4, accepted=3, allowed=5)  # a good drafter: acceptance ~0.7
-    assert all(r == 8 for r in flat.plan(seqs).values())
-    linear = DraftBudget(lambda rows: 10.0 * rows, max_rows=8)  # every row costs a decode step: never pays
+        flat.record(s.seq_id, drafted=6, accepted=3, allowed=64)
+    flat.record_step(22.0, rows=28, sequences=4, drafting=4)
+    assert all(r == 64 for r in flat.plan(seqs).values())
+    steep = DraftBudget(lambda rows: 10.0 * rows, max_rows=64)  # every row costs a decode step: never pays
     for s in seqs:
-        linear.record(s.seq_id, drafted=4, accepted=3, allowed=5)
-    assert all(r == 1 for r in linear.plan(seqs).values())
-    # between the two: the better drafter gets the rows first
-    mid = DraftBudget(lambda rows: 10.0 + 3.0 * rows, max_rows=8)
-    mid.record(0, drafted=6, accepted=6, allowed=7)
-    mid.record(1, drafted=6, accepted=0, allowed=7)
+        steep.record(s.seq_id, drafted=6, accepted=3, allowed=64)
+    assert all(r == 1 for r in steep.plan(seqs).values())
+    # the drafters' own cost, learned from steps: cheap rows stop paying once a draft costs more than it brings
+    costly = DraftBudget(lambda rows: 20.0 + 0.1 * rows, max_rows=64)
+    many = [Seq(i) for i in range(64)]
+    for s in many:
+        costly.record(s.seq_id, drafted=6, accepted=1, allowed=64)
+    costly.record_step(20.0 + 6.4, rows=64, sequences=64, drafting=0)  # plain steps: 0.1 ms per sequence
+    assert all(r == 64 for r in costly.plan(many[:1]).values())  # alone, before any drafting cost is known
+    for _ in range(20):  # every drafting sequence added 4 ms to the step
+        costly.record_step(20.0 + 0.1 * 448 + 6.4 + 4.0 * 64, rows=448, sequences=64, drafting=64)
+    assert costly.draft_ms > 3.0
+    assert all(r == 1 for r in costly.plan(many).values())  # 64 sequences: drafting would slow the step down
+    assert list(costly.plan(many[:1]).values()) == [64]  # one sequence: 1 expected token for ~5 ms still pays
+    # the better drafter gets drafted first
+    mid = DraftBudget(lambda rows: 10.0 + 3.0 * rows, max_rows=64)
+    for _ in range(10):
+        mid.record(0, drafted=6, accepted=6, allowed=64)
+        mid.record(1, drafted=6, accepted=0, allowed=64)
     plan = mid.plan(seqs[:2])
     assert plan[0] > 1 and plan[1] == 1
-    # a drafter that proposed less than allowed gets at most one row more next time
-    mid.record(0, drafted=2, accepted=2, allowed=8)
-    assert mid.plan(seqs[:1])[0] <= 4
 
 
 def test_budget_from_a_measured_curve_interpolates():
