@@ -1,6 +1,6 @@
 """Where the engine picks its attention and KV-compaction implementations.
 
-CUDA runs the Triton kernels; CPU runs PyTorch's SDPA (masks built once per forward and shared by every layer) and
+CUDA runs the Triton kernels (one launch per layer for all rows of a multi-sequence step); CPU runs PyTorch's SDPA (masks built once per forward and shared by every layer) and
 the plain-torch compaction reference. Kernel choice lives here, at the call site, so the model code stays plain
 eager PyTorch.
 
@@ -15,7 +15,7 @@ leading chain rows of a draft (row i sees exactly new rows 0..i, as a decode ste
 together. A tree branch row's ancestors sit at other cache rows than a decode step would read them; gathered back
 into decode-step order (cached keys, then its ancestors, then itself) they give that row the decode step's bits too,
 for trees with up to EXACT_MAX_BRANCHES leaves past the leading chain (a cascade's Max-Gram branch). The bfloat16
-linear layers are row-invariant too (see model.linear), so those rows reproduce plain decoding
+linear layers are row-invariant too (core.ops.linear runs kernels measured row-invariant), so those rows reproduce plain decoding
 bit for bit and greedy speculation emits the same tokens as plain decoding. An earlier version put each row in its
 own SDPA batch entry, which is row-invariant too but costs a decode row's attention per draft row. Float32 decode
 steps keep SDPA over the padded keys and float32 verification keeps one multi-row call: its differences are ~1e-7
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_compact import kv_compact, kv_compact_ref
-from kernels.tree_attention import tree_attention, tree_mask_to_bool
+from kernels.tree_attention import tree_attention, tree_attention_batched, tree_mask_to_bool
 
 KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a decode step and a draft row share shapes
 # At most this many leading chain rows in decode form (all of them: a tree has at most 64 rows). With the bmm form
@@ -175,6 +175,16 @@ def _attention(calls: list, T: int, causal: bool = False):
         for (rows, *_), o in zip(calls, outs):
             out[rows] = o
         return out
+
+    return attention
+
+
+def make_batched_kernel_attention(slots: torch.Tensor, cache_lens: torch.Tensor, row_starts: torch.Tensor,
+                                  tree_mask: torch.Tensor, causal: torch.Tensor):
+    """Attention for every row of a multi-sequence step in one Triton launch per layer (CUDA): q [T, H, D] and one
+    layer of the pool k/v [num_slots, H_kv, S, D] -> [T, H, D]; the per-sequence layout is built once per step."""
+    def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+        return tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal)
 
     return attention
 

@@ -22,12 +22,14 @@ from core.ops import DTYPES, LlamaArgs
 from core.sampling import SamplingParams, request_generator, target_probs
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
+from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling
-from server.engine.backend import compact_kv, make_attention, make_decode_group_attention
+from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
+                                   make_decode_group_attention)
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
-from server.engine.model import DecodeGroup, Llama, Segment
+from server.engine.model import Llama, RowGroup, Segment
 from server.engine.quant import quantize_model
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_hf_config, load_state_dict, resolve_model
@@ -234,30 +236,50 @@ class Engine:
     def _forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
         tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
-        # Decode steps of several sequences attend in one batched call on CPU (per-sequence calls cost a few dozen
-        # small ops per layer each); trees and prompt chunks attend per sequence.
-        batch_decodes = self.device.type == "cpu" and sum(len(p[1]) == 1 for p in parts) > 1
-        segments, decodes, start = [], [], 0
-        for seq, tokens, _, tree_mask in parts:
-            n = len(tokens)
-            if batch_decodes and n == 1:
-                decodes.append((start, seq))
-            else:
-                attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
-                segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
-                                        seq.cache_len, tree_mask, attn))
-            start += n
-        group = None
-        if decodes:
-            slots, lens = [s.slot for _, s in decodes], [s.cache_len for _, s in decodes]
-            group = DecodeGroup(torch.tensor([r for r, _ in decodes], device=self.device),
-                                torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
-                                self.pool.k, self.pool.v,
-                                make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
+        if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
+            segments, group = [], self._kernel_group(parts)
+        else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
+            # small ops per layer each); trees and prompt chunks attend per sequence
+            batch_decodes = sum(len(p[1]) == 1 for p in parts) > 1
+            segments, decodes, start = [], [], 0
+            for seq, tokens, _, tree_mask in parts:
+                n = len(tokens)
+                if batch_decodes and n == 1:
+                    decodes.append((start, seq))
+                else:
+                    attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+                    segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
+                                            seq.cache_len, tree_mask, attn))
+                start += n
+            group = None
+            if decodes:
+                slots, lens = [s.slot for _, s in decodes], [s.cache_len for _, s in decodes]
+                group = RowGroup(torch.tensor([r for r, _ in decodes], device=self.device),
+                                 torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
+                                 self.pool.k, self.pool.v,
+                                 make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
         tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model(ids, positions, segments, group)  # [T, hidden]
+
+    def _kernel_group(self, parts) -> RowGroup:
+        """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the
+        per-sequence layout (slot, cache length, row offsets, causal flag, tree bits) built once for all layers."""
+        slots, lens, starts, causal, masks, row_slots, row_pos = [], [], [0], [], [], [], []
+        for seq, tokens, _, tree_mask in parts:
+            n = len(tokens)
+            slots.append(seq.slot)
+            lens.append(seq.cache_len)
+            starts.append(starts[-1] + n)
+            causal.append(tree_mask is None and n > 1)
+            masks.append(tree_mask if tree_mask is not None else torch.ones(n, dtype=torch.long, device=self.device))
+            row_slots += [seq.slot] * n
+            row_pos += range(seq.cache_len, seq.cache_len + n)
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return RowGroup(torch.arange(starts[-1], device=self.device), t(row_slots), t(row_pos), self.pool.k,
+                        self.pool.v, make_batched_kernel_attention(t(slots), t(lens), t(starts), torch.cat(masks),
+                                                                  t(causal).bool()))
 
     def prefill(self, seq: Sequence) -> list[int]:
         """Cache the whole prompt's KV and sample the first token; returns the tokens emitted."""
@@ -279,10 +301,8 @@ class Engine:
 
     def commit(self, seq: Sequence, rows: list[int], hidden: torch.Tensor) -> None:
         """Keep the accepted rows' KV (and hidden states) at [cache_len, cache_len + len(rows)); drop the rest."""
+        self._compact_many([(seq, rows)])
         n, start = len(rows), seq.cache_len
-        if rows != list(range(n)):  # a prefix of the rows is already in place
-            src = torch.tensor(rows, dtype=torch.long, device=self.device) + start
-            compact_kv(self.pool.k, self.pool.v, seq.slot, src, start)
         self.pool.hidden[seq.slot, start:start + n] = hidden[rows]
         seq.cache_len = start + n
         self.pool.set_length(seq.slot, seq.cache_len)
@@ -328,21 +348,31 @@ class Engine:
         t0 = time.perf_counter()
         hidden = self._forward_rows(parts)
         # logits for every tree row, and for the last prompt row of a prompt that is now fully cached
-        rows, at = [], 0
+        logit_rows, at = [], 0
         for _, tree, _ in trees:
-            rows.extend(range(at, at + tree.num_rows))
+            logit_rows.extend(range(at, at + tree.num_rows))
             at += tree.num_rows
         for seq, start, n in chunks:
             if start + n == seq.prompt_len:
-                rows.append(at + n - 1)
+                logit_rows.append(at + n - 1)
             at += n
-        logits = self.model.logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        logits = self.model.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
-        at, li = 0, 0
-        for seq, tree, drafted in trees:
+        at, accepted = 0, []
+        for seq, tree, _ in trees:  # acceptance per sequence, each with its own generator
             n = tree.num_rows
-            out[seq.seq_id] = self._accept(seq, tree, logits[li:li + n], hidden[at:at + n], seconds, drafted)
-            at, li = at + n, li + n
+            if seq.sampling.greedy:
+                accepted.append(accept_greedy(tree, logits[at:at + n]))
+            else:
+                accepted.append(accept_sampling(tree, target_probs(logits[at:at + n], seq.sampling), seq.generator))
+            at += n
+        self._compact_many([(seq, rows) for (seq, _, _), (rows, _) in zip(trees, accepted)])
+        at = 0
+        for (seq, tree, drafted), (rows, tokens) in zip(trees, accepted):
+            out[seq.seq_id] = self._finish_step(seq, tree, rows, tokens, hidden[at:at + tree.num_rows], seconds,
+                                                drafted)
+            at += tree.num_rows
+        li = at
         for seq, start, n in chunks:
             self.pool.hidden[seq.slot, start:start + n] = hidden[at:at + n]
             seq.cache_len = start + n
@@ -363,13 +393,33 @@ class Engine:
                                f"not at the last accepted token {seq.token_ids[-1]}")
         return tree
 
-    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor, hidden: torch.Tensor, seconds: float,
-                drafted: bool) -> list[int]:
-        if seq.sampling.greedy:
-            rows, tokens = accept_greedy(tree, logits)
-        else:
-            rows, tokens = accept_sampling(tree, target_probs(logits, seq.sampling), seq.generator)
-        self.commit(seq, rows, hidden)
+    def _compact_many(self, accepted: list[tuple[Sequence, list[int]]]) -> None:
+        """Move every sequence's accepted rows into place (before any drafter reads the cache): one launch for the
+        whole step on CUDA, one per sequence elsewhere. Rows already in place (a prefix) are not moved."""
+        moves = [(seq, rows) for seq, rows in accepted if rows != list(range(len(rows)))]
+        if not moves:
+            return
+        if self.device.type == "cuda" and len(moves) > 1:
+            starts = [0]
+            for _, rows in moves:
+                starts.append(starts[-1] + len(rows))
+            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+            kv_compact_batched(self.pool.k, self.pool.v, t([s.slot for s, _ in moves]),
+                               t([s.cache_len + r for s, rows in moves for r in rows]),
+                               t([s.cache_len for s, _ in moves]), t(starts), max_rows=max(len(r) for _, r in moves))
+            return
+        for seq, rows in moves:
+            src = torch.tensor(rows, dtype=torch.long, device=self.device) + seq.cache_len
+            compact_kv(self.pool.k, self.pool.v, seq.slot, src, seq.cache_len)
+
+    def _finish_step(self, seq: Sequence, tree: DraftTree, rows: list[int], tokens: list[int], hidden: torch.Tensor,
+                     seconds: float, drafted: bool) -> list[int]:
+        """After compaction: the accepted rows' hidden states, the cache length, the emitted tokens, the stats, and
+        the drafter's observe."""
+        n = len(rows)
+        self.pool.hidden[seq.slot, seq.cache_len:seq.cache_len + n] = hidden[rows]
+        seq.cache_len += n
+        self.pool.set_length(seq.slot, seq.cache_len)
         result = VerifyResult(rows, tokens, tree.num_draft)
         emitted = self._append(seq, tokens)
         s = seq.stats

@@ -38,16 +38,17 @@ class Segment:
 
 
 @dataclass
-class DecodeGroup:
-    """Single-row segments (decode steps) of several sequences, attended in one batched call (CPU): row ``rows[b]``
-    of the batch is the next token of the sequence in slot ``slots[b]``, at cache row ``positions[b]``."""
+class RowGroup:
+    """Rows of several sequences whose K/V writes and attention run as one call per layer: row ``rows[i]`` of the
+    batch goes to cache row ``positions[i]`` of slot ``slots[i]``. On CPU the decode steps of a batch; on CUDA every
+    row of a multi-sequence step (the batched Triton kernel)."""
 
-    rows: torch.Tensor       # [B] long
-    slots: torch.Tensor      # [B] long
-    positions: torch.Tensor  # [B] long, each sequence's cache length
+    rows: torch.Tensor       # [n] long
+    slots: torch.Tensor      # [n] long
+    positions: torch.Tensor  # [n] long
     k: torch.Tensor          # [L, num_slots, H_kv, S, D], the whole pool
     v: torch.Tensor
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [B,H,D], k/v [slots,H_kv,S,D]
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [n,H,D], k/v [slots,H_kv,S,D]
 
 
 class Block(nn.Module):
@@ -62,7 +63,7 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: DecodeGroup | None = None):
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None):
         a = self.a
         T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
         qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
@@ -102,12 +103,12 @@ class Llama(nn.Module):
         self.rope = Rope(args, max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                group: DecodeGroup | None = None) -> torch.Tensor:
+                group: RowGroup | None = None) -> torch.Tensor:
         """Run the new rows of one or more sequences; returns the last layer's hidden states (before the final
         norm), [T, hidden].
 
         tokens, positions: [T], the sequences' rows back to back (positions = each sequence's cache length + depth);
-        ``segments`` and ``group`` (decode steps attended together) say whose rows are where.
+        ``segments`` and ``group`` (rows attended together) say whose rows are where.
         """
         x = self.embed(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer

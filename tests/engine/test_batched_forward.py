@@ -1,0 +1,77 @@
+"""One target forward over several sequences (``Engine.run`` / ``_forward_rows``) against each sequence alone.
+
+- CPU: decode steps of several sequences attend in one batched call; trees and prompt chunks per sequence;
+- CUDA layout: every row of the step through the batched Triton kernel (run here under the Triton interpreter on a
+  tiny random Llama, whose head dim the kernel takes), against the per-sequence path.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.tree import DraftTree
+from server.config import config_from_dict
+from server.engine.engine import Engine, load_target
+from tests.conftest import write_tiny_llama
+from tests.engine.test_perf_paths import needs_row_invariance
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama-d16")
+    write_tiny_llama(d, vocab_size=32, hidden=64, heads=4, kv_heads=2)  # head dim 16
+    cfg = config_from_dict({"model": {"source": str(d), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 4, "max_seq_len": 128}})
+    return Engine(cfg, target=load_target(cfg, progress=False))
+
+
+def _parts(engine: Engine):
+    """Three sequences mid-generation and their next rows: a decode step, a branching tree, a prompt chunk."""
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (9, 70, 40):
+        seq = engine.add(torch.randint(32, (n,), generator=g).tolist(), max_new_tokens=8)
+        seqs.append(seq)
+    for seq in seqs[:2]:
+        engine.prefill(seq)
+    engine.run([], [(seqs[2], 17)])  # the third is part way through its prompt
+    tree = DraftTree([seqs[1].token_ids[-1], 3, 4, 5, 6], [-1, 0, 0, 1, 2])
+    parts = [engine._tree_rows(seqs[0], DraftTree.root_only(seqs[0].token_ids[-1])), engine._tree_rows(seqs[1], tree),
+             (seqs[2], seqs[2].token_ids[17:30], torch.arange(17, 30), None)]
+    return seqs, parts
+
+
+def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny_engine):
+    engine = tiny_engine
+    seqs, parts = _parts(engine)
+    try:
+        with torch.inference_mode():
+            alone = torch.cat([engine._forward_rows([p]) for p in parts])
+            batched = engine._forward_rows(parts)  # CPU path: the decode row on its own, others per sequence
+            ids = torch.tensor([t for p in parts for t in p[1]])
+            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine._kernel_group(parts))
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel, alone, atol=1e-5, rtol=1e-5)
+
+
+@needs_row_invariance
+def test_decode_steps_of_several_sequences_attend_together_bitwise_in_bf16():
+    cfg = config_from_dict({"model": {"dtype": "bfloat16", "device": "cpu"},
+                            "cache": {"num_slots": 5, "max_seq_len": 512}})
+    engine = Engine(cfg, target=load_target(cfg, progress=False))
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for n in (5, 63, 64, 100, 130):  # padded key counts 64, 64, 128, 128, 192
+        seq = engine.add(torch.randint(1000, (n,), generator=g).tolist(), max_new_tokens=8)
+        engine.prefill(seq)
+        seqs.append(seq)
+    with torch.inference_mode():
+        alone = [engine.verify(s, DraftTree.root_only(s.token_ids[-1]))[0] for s in seqs]
+        group = engine.model.logits(engine._forward_rows(
+            [engine._tree_rows(s, DraftTree.root_only(s.token_ids[-1])) for s in seqs]))
+    for seq in seqs:
+        engine.release(seq)
+    assert torch.equal(torch.cat(alone), group)
