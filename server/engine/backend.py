@@ -1,7 +1,8 @@
 """Where the engine picks its attention and KV-compaction implementations.
 
-CUDA runs the Triton kernels (one launch per layer for all rows of a multi-sequence step); CPU runs PyTorch's SDPA (masks built once per forward and shared by every layer) and
-the plain-torch compaction reference. Kernel choice lives here, at the call site, so the model code stays plain
+CUDA runs the Triton kernels (one launch per layer for all rows of a multi-sequence step); CPU runs PyTorch's SDPA
+(masks built once per forward and shared by every layer), batched matmuls for decode steps, and the plain-torch
+compaction reference. Kernel choice lives here, at the call site, so the model code stays plain
 eager PyTorch.
 
 CPU decode steps and draft rows ("decode form"). SDPA's CPU kernel is not row-invariant: a query row's low bits
