@@ -64,6 +64,7 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
                  progress: bool = True) -> TeacherData:
     """One target forward per sequence (prompt + answer, cut to ``max_len``)."""
     from server.engine.backend import make_attention
+    from server.engine.model import Segment
 
     model = target.model
     a = model.args
@@ -79,7 +80,7 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
             continue
         tok = torch.tensor(ids, dtype=torch.long, device=dev)
         attn = make_attention(dev, 0, T, None, target.dtype, max_len)
-        h = model(tok, torch.arange(T, device=dev), k, v, 0, None, attn)
+        h = model(tok, torch.arange(T, device=dev), [Segment(0, T, k, v, 0, None, attn)])
         normed = rms_norm(h[start:T - 1], model.norm, a.rms_norm_eps)
         out.tokens.append(tok.cpu())
         out.answer_start.append(start)
