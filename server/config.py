@@ -66,7 +66,7 @@ class ServerConfig:
     port: int = 8000
     max_waiting: int = 64
     served_model_name: str | None = None
-    max_step_tokens: int = 256     # rows per batched step: the running sequences' draft trees, then prompt chunks
+    max_step_tokens: int | None = None  # rows per batched step (draft trees, then prompt chunks); null: measured
     draft_budget: str = "goodput"  # goodput: draft rows per sequence by measured step cost and acceptance; fixed
 
 
@@ -106,8 +106,8 @@ class EngineConfig:
             raise ConfigError("cache.max_seq_len must be >= 2")
         if self.server.max_waiting < 0:
             raise ConfigError("server.max_waiting must be >= 0")
-        if self.server.max_step_tokens < 1:
-            raise ConfigError("server.max_step_tokens must be >= 1")
+        if self.server.max_step_tokens is not None and self.server.max_step_tokens < 1:
+            raise ConfigError("server.max_step_tokens must be >= 1 (or null: from the measured step cost)")
         if self.server.draft_budget not in DRAFT_BUDGETS:
             raise ConfigError(f"server.draft_budget must be one of {DRAFT_BUDGETS}, got {self.server.draft_budget!r}")
         valid = drafter_names()

@@ -52,6 +52,7 @@ class SeqStats:
     verify_steps: int = 0      # target forwards after prefill
     step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
     verify_seconds: float = 0.0  # wall time in the target's verify forwards (the offline benchmark's split)
+    draft_seconds: float = 0.0   # wall time in the drafter's propose calls
 
     @property
     def mean_accepted_length(self) -> float:
@@ -386,7 +387,9 @@ class Engine:
         return out
 
     def _propose(self, seq: Sequence) -> DraftTree:
+        t0 = time.perf_counter()
         tree = self.drafter.propose(self.view(seq))
+        seq.stats.draft_seconds += time.perf_counter() - t0
         tree.validate(self.model.args.vocab_size)
         if tree.tokens[0] != seq.token_ids[-1]:
             raise RuntimeError(f"drafter {self.drafter.name!r} rooted its tree at {tree.tokens[0]}, "

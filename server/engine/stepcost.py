@@ -99,6 +99,27 @@ def step_costs(engine, max_rows: int, cache_dir: Path | None) -> dict[int, float
     return curve
 
 
+STEP_GAP_FACTOR = 2.5  # an automatic step budget keeps a step within this many decode steps (head-of-line blocking)
+
+
+def step_token_budget(curve: dict[int, float], factor: float = STEP_GAP_FACTOR, floor: int = 16) -> int:
+    """``server.max_step_tokens: null``: the most rows whose step costs at most ``factor`` decode steps on the
+    measured curve (linear between its points), so a prompt chunk delays the other streams' next tokens by at most
+    that much; never below ``floor``. Flat curves (GPUs) give the largest row count measured."""
+    xs = sorted(curve)
+    limit = factor * curve[xs[0]]
+    best = xs[0]
+    for x0, x1 in zip(xs, xs[1:]):
+        y0, y1 = curve[x0], curve[x1]
+        if y1 <= limit:
+            best = x1
+            continue
+        if y0 <= limit:
+            best = int(x0 + (x1 - x0) * (limit - y0) / (y1 - y0))
+        break
+    return max(floor, best)
+
+
 def machine_key(quantization: str) -> str:
     """What the fastest CPU dtype depends on: the processor (model name and the features that decide 16-bit speed),
     torch, threads, and the weight quantization."""

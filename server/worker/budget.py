@@ -8,8 +8,8 @@ SmartSpec), from costs and gains measured as the server runs:
 
 - ``cost(rows)``: the target's step time against the total rows of the step, measured at start
   (``stepcost.step_costs``);
-- per drafter call: its time (the ``propose`` call and what drafting a sequence adds to the step beyond its rows: an
-  attention call of its own instead of the shared decode one), a decayed mean over recent steps;
+- per drafting sequence: its drafter's ``propose`` time, measured, a decayed mean over recent steps; per sequence,
+  what a step costs beyond its rows' share of the curve and the proposals (acceptance, attention calls);
 - per sequence: the draft tokens its steps accepted (decayed mean; a sequence that has not drafted yet starts from the
   mean of all sequences) and the rows its drafter proposed last time.
 
@@ -101,18 +101,18 @@ class DraftBudget:
         self._accepted[seq_id] = d * self._accepted.get(seq_id, self.mean_accepted) + (1 - d) * accepted
         self.mean_accepted = d * self.mean_accepted + (1 - d) * accepted
 
-    def record_step(self, step_ms: float, rows: int, sequences: int, drafting: int) -> None:
+    def record_step(self, step_ms: float, rows: int, sequences: int, drafting: int, propose_ms: float) -> None:
         """A whole step took ``step_ms`` for ``rows`` rows of ``sequences`` stepping sequences, ``drafting`` of them
-        drafting. What the rows' cost curve does not explain is per-sequence work (acceptance, attention calls),
-        learned from steps without drafts, and then the drafters' cost (their forwards, their trees' attention)."""
+        drafting, whose drafters' ``propose`` calls took ``propose_ms`` in all. A drafting sequence costs its
+        proposal (measured directly); what neither the rows' cost curve nor the proposals explain is per-sequence
+        work (acceptance, attention calls, bookkeeping), spread over all sequences."""
         if self.cost is None or sequences == 0:
             return
-        rest = step_ms - self.cost(rows)
         d = self.decay
-        if drafting == 0:
-            self.seq_ms = d * self.seq_ms + (1 - d) * max(0.0, rest / sequences)
-        else:
-            self.draft_ms = d * self.draft_ms + (1 - d) * max(0.0, rest - self.seq_ms * sequences) / drafting
+        rest = step_ms - propose_ms - self.cost(rows)
+        self.seq_ms = d * self.seq_ms + (1 - d) * max(0.0, rest / sequences)
+        if drafting:
+            self.draft_ms = d * self.draft_ms + (1 - d) * propose_ms / drafting
 
     def forget(self, seq) -> None:
         for d in (self._accepted, self._rows, self.last_plan):

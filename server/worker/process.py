@@ -35,7 +35,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     import torch
 
     from server.engine.engine import Engine
-    from server.engine.stepcost import step_costs
+    from server.engine.stepcost import BUDGET_ROWS, STEP_GAP_FACTOR, step_costs, step_token_budget
     from server.worker.budget import DraftBudget
     from server.worker.scheduler import Scheduler
 
@@ -53,10 +53,17 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     a = engine.model.args
     send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, engine.pool.num_slots,
                  a.vocab_size, str(engine.device), str(engine.dtype).removeprefix("torch.")))
-    budget = DraftBudget.fixed()
-    if cfg.server.draft_budget == "goodput" and engine.drafter.name != "none":
-        budget = DraftBudget.from_curve(step_costs(engine, cfg.server.max_step_tokens, engine.target.hf_dir))
-    sched = Scheduler(engine, send, cfg.server.max_waiting, cfg.server.max_step_tokens, budget)
+    budget, max_step = DraftBudget.fixed(), cfg.server.max_step_tokens
+    goodput = cfg.server.draft_budget == "goodput" and engine.drafter.name != "none"
+    if goodput or max_step is None:
+        curve = step_costs(engine, max_step or BUDGET_ROWS[-1], engine.target.hf_dir)
+        if max_step is None:
+            max_step = step_token_budget(curve)
+            log.info("server.max_step_tokens: %d (a step within %.1f decode steps on the measured curve)", max_step,
+                     STEP_GAP_FACTOR)
+        if goodput:
+            budget = DraftBudget.from_curve(curve)
+    sched = Scheduler(engine, send, cfg.server.max_waiting, max_step, budget)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
     threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
                      daemon=True).start()

@@ -103,7 +103,8 @@ class Scheduler:
         if not decoding and not chunks:
             return
         batch = {**decoding, **{rid: self.running[rid] for rid in chunks}}
-        before = {rid: (s.stats.draft_tokens, s.stats.accepted_tokens) for rid, s in decoding.items()}
+        before = {rid: (s.stats.draft_tokens, s.stats.accepted_tokens, s.stats.draft_seconds)
+                  for rid, s in decoding.items()}
         self._busy_since = started = time.monotonic()
         try:
             emitted = self.engine.run(list(decoding.values()), [(self.running[rid], n) for rid, n in chunks.items()],
@@ -121,9 +122,10 @@ class Scheduler:
         drafted = sum(s.stats.draft_tokens - before[rid][0] for rid, s in decoding.items())
         rows = len(decoding) + drafted + sum(chunks.values())
         self.send(m.Step(len(decoding), rows, drafted, sum(chunks.values()), seconds))
-        self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()))
+        self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()),
+                                1000 * sum(s.stats.draft_seconds - before[rid][2] for rid, s in decoding.items()))
         for rid, seq in decoding.items():
-            d0, a0 = before[rid]
+            d0, a0, _ = before[rid]
             self.budget.record(seq.seq_id, seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0,
                                max_rows[seq.seq_id])
         for rid, seq in batch.items():
@@ -132,7 +134,7 @@ class Scheduler:
                 continue  # a prompt chunk that is not the last: nothing to tell yet
             steps = []
             if rid in before:
-                d0, a0 = before[rid]
+                d0, a0, _ = before[rid]
                 steps = [m.StepStats(seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0)]
             usage = None
             if seq.finish_reason is not None:

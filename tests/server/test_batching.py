@@ -17,6 +17,7 @@ from server.config import config_from_dict
 from server.engine.engine import Engine
 from server.tokenization import encode_chat, stop_token_ids
 from server.worker import messages as m
+from server.engine.stepcost import step_token_budget
 from server.worker.budget import DraftBudget
 from server.worker.scheduler import Scheduler
 
@@ -164,7 +165,7 @@ def test_goodput_budget_drafts_when_it_pays_and_stops_under_load():
     flat = DraftBudget(lambda rows: 20.0 + 0.1 * rows, max_rows=64)  # rows nearly free, drafting cheap
     for s in seqs:
         flat.record(s.seq_id, drafted=6, accepted=3, allowed=64)
-    flat.record_step(22.0, rows=28, sequences=4, drafting=4)
+    flat.record_step(22.0, rows=28, sequences=4, drafting=4, propose_ms=1.0)
     assert all(r == 64 for r in flat.plan(seqs).values())
     steep = DraftBudget(lambda rows: 10.0 * rows, max_rows=64)  # every row costs a decode step: never pays
     for s in seqs:
@@ -175,10 +176,11 @@ def test_goodput_budget_drafts_when_it_pays_and_stops_under_load():
     many = [Seq(i) for i in range(64)]
     for s in many:
         costly.record(s.seq_id, drafted=6, accepted=1, allowed=64)
-    costly.record_step(20.0 + 6.4, rows=64, sequences=64, drafting=0)  # plain steps: 0.1 ms per sequence
+    costly.record_step(20.0 + 6.4, rows=64, sequences=64, drafting=0, propose_ms=0.0)  # 0.1 ms per sequence
     assert all(r == 64 for r in costly.plan(many[:1]).values())  # alone, before any drafting cost is known
-    for _ in range(20):  # every drafting sequence added 4 ms to the step
-        costly.record_step(20.0 + 0.1 * 448 + 6.4 + 4.0 * 64, rows=448, sequences=64, drafting=64)
+    for _ in range(20):  # every drafter's proposal took 4 ms
+        costly.record_step(20.0 + 0.1 * 448 + 6.4 + 4.0 * 64, rows=448, sequences=64, drafting=64,
+                           propose_ms=4.0 * 64)
     assert costly.draft_ms > 3.0
     assert all(r == 1 for r in costly.plan(many).values())  # 64 sequences: drafting would slow the step down
     assert list(costly.plan(many[:1]).values()) == [64]  # one sequence: 1 expected token for ~5 ms still pays
@@ -195,6 +197,14 @@ def test_budget_from_a_measured_curve_interpolates():
     budget = DraftBudget.from_curve({1: 20.0, 8: 24.0, 64: 80.0})
     assert budget.cost(1) == 20.0 and budget.cost(8) == 24.0
     assert 20.0 < budget.cost(4) < 24.0 and budget.cost(128) > 80.0
+
+
+def test_the_automatic_step_budget_keeps_a_step_within_a_few_decode_steps():
+    cpu = {1: 24.0, 8: 22.0, 16: 25.5, 32: 47.8, 64: 67.5, 128: 108.8, 256: 193.0}
+    rows = step_token_budget(cpu)  # 2.5 x 24 ms = 60 ms: between 32 and 64 rows
+    assert 32 < rows < 64 and DraftBudget.from_curve(cpu).cost(rows) <= 60.0 + 1e-6
+    assert step_token_budget({1: 5.0, 64: 5.5, 512: 6.0}) == 512  # a flat curve (GPU): the most measured
+    assert step_token_budget({1: 20.0, 2: 100.0}) == 16  # never below the floor
 
 
 def test_an_engine_fault_fails_that_step_and_frees_its_slots(cfg, target32, tokenizer):
