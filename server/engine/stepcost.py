@@ -102,22 +102,25 @@ def step_costs(engine, max_rows: int, cache_dir: Path | None) -> dict[int, float
 STEP_GAP_FACTOR = 2.5  # an automatic step budget keeps a step within this many decode steps (head-of-line blocking)
 
 
-def step_token_budget(curve: dict[int, float], factor: float = STEP_GAP_FACTOR, floor: int = 16) -> int:
-    """``server.max_step_tokens: null``: the most rows whose step costs at most ``factor`` decode steps on the
-    measured curve (linear between its points), so a prompt chunk delays the other streams' next tokens by at most
-    that much; never below ``floor``. Flat curves (GPUs) give the largest row count measured."""
+def step_token_budget(curve: dict[int, float], base_rows: int = 1, factor: float = STEP_GAP_FACTOR,
+                      floor: int = 16) -> int:
+    """``server.max_step_tokens: null``: the most rows a step may take when ``base_rows`` of them are the decoding
+    sequences' rows: as many as keep the step within ``factor`` times what those rows alone cost on the measured
+    curve (linear between its points, extrapolated past its end), so a prompt chunk delays the other streams' next
+    tokens by at most that much; at least ``floor`` rows of prompt. A flat curve (a GPU) gives the most rows."""
     xs = sorted(curve)
-    limit = factor * curve[xs[0]]
-    best = xs[0]
-    for x0, x1 in zip(xs, xs[1:]):
-        y0, y1 = curve[x0], curve[x1]
-        if y1 <= limit:
-            best = x1
-            continue
-        if y0 <= limit:
-            best = int(x0 + (x1 - x0) * (limit - y0) / (y1 - y0))
-        break
-    return max(floor, best)
+
+    def cost(rows: float) -> float:
+        i = min(max(next((k for k, x in enumerate(xs) if x >= rows), len(xs) - 1), 1), len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        return curve[x0] + (curve[x1] - curve[x0]) * (rows - x0) / (x1 - x0)
+
+    limit = factor * cost(max(base_rows, xs[0]))
+    lo, hi = base_rows, max(xs[-1], base_rows)
+    while lo < hi:  # the most rows within the limit (the curve rises with rows)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= limit else (lo, mid - 1)
+    return max(lo, base_rows + floor)
 
 
 def machine_key(quantization: str) -> str:

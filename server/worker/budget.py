@@ -10,8 +10,8 @@ SmartSpec), from costs and gains measured as the server runs:
   (``stepcost.step_costs``);
 - per drafting sequence: its drafter's ``propose`` time, measured, a decayed mean over recent steps; per sequence,
   what a step costs beyond its rows' share of the curve and the proposals (acceptance, attention calls);
-- per sequence: the draft tokens its steps accepted (decayed mean; a sequence that has not drafted yet starts from the
-  mean of all sequences) and the rows its drafter proposed last time.
+- the draft tokens a drafting step accepts (the drafter's decayed mean over recent steps of all sequences), and per
+  sequence the rows its drafter proposed last time.
 
 Sequences are taken in order of expected accepted tokens per unit of cost, each kept while the step's expected tokens
 per second still grow. A sequence left out takes a plain decode step: the drafter is not called (``Engine.run``'s
@@ -26,9 +26,9 @@ from core.tree import MAX_TREE_ROWS
 
 
 class DraftBudget:
-    def __init__(self, cost: Callable[[int], float] | None, max_rows: int = MAX_TREE_ROWS, decay: float = 0.8):
-        self.cost, self.max_rows, self.decay = cost, max_rows, decay
-        self._accepted: dict[int, float] = {}  # seq_id -> decayed mean accepted draft tokens per drafted step
+    def __init__(self, cost: Callable[[int], float] | None, max_rows: int = MAX_TREE_ROWS, decay: float = 0.8,
+                 accept_decay: float = 0.95):
+        self.cost, self.max_rows, self.decay, self.accept_decay = cost, max_rows, decay, accept_decay
         self._rows: dict[int, int] = {}        # seq_id -> rows its drafter proposed last time (root included)
         self.mean_accepted = 1.0               # over all sequences: the start value of a new one (optimistic)
         self.draft_ms = 0.0                    # decayed mean cost of drafting one sequence in a step, beyond its rows
@@ -57,7 +57,10 @@ class DraftBudget:
         return DraftBudget(cost, **kw)
 
     def expected_accepted(self, seq_id: int) -> float:
-        return self._accepted.get(seq_id, self.mean_accepted)
+        """Draft tokens a drafting step of this sequence is expected to accept: the drafter's decayed mean over
+        recent drafting steps of all sequences. (Per-sequence means were tried: a few unlucky steps froze a sequence
+        out of drafting, and its estimate never recovered while it did not draft.)"""
+        return self.mean_accepted
 
     def expected_rows(self, seq_id: int, allowed: int) -> int:
         """Rows a sequence allowed ``allowed`` will likely verify."""
@@ -96,10 +99,9 @@ class DraftBudget:
         ``allowed`` rows (1: it did not draft, nothing is learned)."""
         if allowed <= 1:
             return
-        d = self.decay
         self._rows[seq_id] = drafted + 1
-        self._accepted[seq_id] = d * self._accepted.get(seq_id, self.mean_accepted) + (1 - d) * accepted
-        self.mean_accepted = d * self.mean_accepted + (1 - d) * accepted
+        a = self.accept_decay
+        self.mean_accepted = a * self.mean_accepted + (1 - a) * accepted
 
     def record_step(self, step_ms: float, rows: int, sequences: int, drafting: int, propose_ms: float) -> None:
         """A whole step took ``step_ms`` for ``rows`` rows of ``sequences`` stepping sequences, ``drafting`` of them
@@ -115,5 +117,5 @@ class DraftBudget:
             self.draft_ms = d * self.draft_ms + (1 - d) * propose_ms / drafting
 
     def forget(self, seq) -> None:
-        for d in (self._accepted, self._rows, self.last_plan):
+        for d in (self._rows, self.last_plan):
             d.pop(seq.seq_id, None)

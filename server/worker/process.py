@@ -14,6 +14,7 @@ stay responsive:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -58,9 +59,9 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     if goodput or max_step is None:
         curve = step_costs(engine, max_step or BUDGET_ROWS[-1], engine.target.hf_dir)
         if max_step is None:
-            max_step = step_token_budget(curve)
-            log.info("server.max_step_tokens: %d (a step within %.1f decode steps on the measured curve)", max_step,
-                     STEP_GAP_FACTOR)
+            log.info("server.max_step_tokens: a step within %.1f times its decoding rows' cost on the measured curve "
+                     "(%d rows when one sequence decodes)", STEP_GAP_FACTOR, step_token_budget(curve))
+            max_step = functools.partial(step_token_budget, curve)
         if goodput:
             budget = DraftBudget.from_curve(curve)
     sched = Scheduler(engine, send, cfg.server.max_waiting, max_step, budget)

@@ -27,9 +27,9 @@ MIN_PREFILL_CHUNK = 16  # prompt tokens a step prefills even when the decoding s
 
 class Scheduler:
     def __init__(self, engine: Engine, send: Callable[[m.FromWorker], None], max_waiting: int,
-                 max_step_tokens: int = 256, budget: DraftBudget | None = None):
+                 max_step_tokens: int | Callable[[int], int] = 256, budget: DraftBudget | None = None):
         self.engine, self.send, self.max_waiting = engine, send, max_waiting
-        self.max_step_tokens = max_step_tokens
+        self.max_step_tokens = max_step_tokens  # rows per step, or a function of the step's tree rows giving them
         self.budget = budget or DraftBudget.fixed()
         self.waiting: OrderedDict[str, m.Generate] = OrderedDict()
         self.running: OrderedDict[str, Sequence] = OrderedDict()
@@ -89,8 +89,10 @@ class Scheduler:
         decoding = {rid: s for rid, s in self.running.items() if s.cache_len >= s.prompt_len}
         prompts = [s for rid, s in self.running.items() if rid not in decoding]
         max_rows = self.budget.plan(list(decoding.values()), fixed_rows=min(
-            self.max_step_tokens, sum(s.prompt_len - s.cache_len for s in prompts)) if prompts else 0)
-        room = self.max_step_tokens - sum(self.budget.expected_rows(i, r) for i, r in max_rows.items())
+            MIN_PREFILL_CHUNK, sum(s.prompt_len - s.cache_len for s in prompts)) if prompts else 0)
+        tree_rows = sum(self.budget.expected_rows(i, r) for i, r in max_rows.items())
+        limit = self.max_step_tokens(tree_rows) if callable(self.max_step_tokens) else self.max_step_tokens
+        room = limit - tree_rows
         chunks = {}
         for rid, seq in self.running.items():
             if rid in decoding:
