@@ -277,7 +277,7 @@ class Engine:
             masks.append(tree_mask if tree_mask is not None else torch.ones(n, dtype=torch.long, device=self.device))
             row_slots += [seq.slot] * n
             row_pos += range(seq.cache_len, seq.cache_len + n)
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        t = self._long
         return RowGroup(torch.arange(starts[-1], device=self.device), t(row_slots), t(row_pos), self.pool.k,
                         self.pool.v, make_batched_kernel_attention(t(slots), t(lens), t(starts), torch.cat(masks),
                                                                   t(causal).bool()))
@@ -303,10 +303,18 @@ class Engine:
     def commit(self, seq: Sequence, rows: list[int], hidden: torch.Tensor) -> None:
         """Keep the accepted rows' KV (and hidden states) at [cache_len, cache_len + len(rows)); drop the rest."""
         self._compact_many([(seq, rows)])
-        n, start = len(rows), seq.cache_len
-        self.pool.hidden[seq.slot, start:start + n] = hidden[rows]
-        seq.cache_len = start + n
+        self._advance(seq, hidden[rows])
+
+    def _advance(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The rows whose KV now sits at [cache_len, cache_len + n) are cached: keep their hidden states [n, hidden]
+        and move the cache length past them."""
+        n = hidden.shape[0]
+        self.pool.hidden[seq.slot, seq.cache_len:seq.cache_len + n] = hidden
+        seq.cache_len += n
         self.pool.set_length(seq.slot, seq.cache_len)
+
+    def _long(self, xs) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
 
     # -- one step: speculative steps and prefill chunks in one target forward ------------------------------------
     @torch.inference_mode()
@@ -375,9 +383,7 @@ class Engine:
             at += tree.num_rows
         li = at
         for seq, start, n in chunks:
-            self.pool.hidden[seq.slot, start:start + n] = hidden[at:at + n]
-            seq.cache_len = start + n
-            self.pool.set_length(seq.slot, seq.cache_len)
+            self._advance(seq, hidden[at:at + n])
             at += n
             if seq.cache_len < seq.prompt_len:
                 out[seq.seq_id] = []
@@ -406,23 +412,20 @@ class Engine:
             starts = [0]
             for _, rows in moves:
                 starts.append(starts[-1] + len(rows))
-            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-            kv_compact_batched(self.pool.k, self.pool.v, t([s.slot for s, _ in moves]),
-                               t([s.cache_len + r for s, rows in moves for r in rows]),
-                               t([s.cache_len for s, _ in moves]), t(starts), max_rows=max(len(r) for _, r in moves))
+            kv_compact_batched(self.pool.k, self.pool.v, self._long([s.slot for s, _ in moves]),
+                               self._long([s.cache_len + r for s, rows in moves for r in rows]),
+                               self._long([s.cache_len for s, _ in moves]), self._long(starts),
+                               max_rows=max(len(r) for _, r in moves))
             return
         for seq, rows in moves:
-            src = torch.tensor(rows, dtype=torch.long, device=self.device) + seq.cache_len
+            src = self._long(rows) + seq.cache_len
             compact_kv(self.pool.k, self.pool.v, seq.slot, src, seq.cache_len)
 
     def _finish_step(self, seq: Sequence, tree: DraftTree, rows: list[int], tokens: list[int], hidden: torch.Tensor,
                      seconds: float, drafted: bool) -> list[int]:
         """After compaction: the accepted rows' hidden states, the cache length, the emitted tokens, the stats, and
         the drafter's observe."""
-        n = len(rows)
-        self.pool.hidden[seq.slot, seq.cache_len:seq.cache_len + n] = hidden[rows]
-        seq.cache_len += n
-        self.pool.set_length(seq.slot, seq.cache_len)
+        self._advance(seq, hidden[rows])
         result = VerifyResult(rows, tokens, tree.num_draft)
         emitted = self._append(seq, tokens)
         s = seq.stats

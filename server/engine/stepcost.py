@@ -8,6 +8,7 @@ threads, quantization), so later starts on the same machine skip the measurement
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import platform
@@ -90,31 +91,37 @@ def step_costs(engine, max_rows: int, cache_dir: Path | None) -> dict[int, float
         return {int(k): v for k, v in known[key].items()}
     curve = step_curve(engine, rows, cached=cached, repeats=3)
     log.info("step cost (ms vs rows, %d cached): %s", cached, ", ".join(f"{k}: {v:.1f}" for k, v in curve.items()))
-    if path is not None:
-        known[key] = {str(k): round(v, 3) for k, v in curve.items()}
-        try:
-            path.write_text(json.dumps(known, indent=1))
-        except OSError as e:
-            log.warning("could not remember the step cost in %s: %s", path, e)
+    known[key] = {str(k): round(v, 3) for k, v in curve.items()}
+    _remember(path, known, "step cost")
     return curve
 
 
 STEP_GAP_FACTOR = 2.5  # an automatic step budget keeps a step within this many decode steps (head-of-line blocking)
 
 
+def curve_cost(curve: dict[int, float]) -> Callable[[float], float]:
+    """ms of a step of ``rows`` rows on a measured curve {rows: ms}: linear between its points, extrapolated past its
+    ends (a one-point curve: flat below its point, proportional above)."""
+    xs = sorted(curve)
+    ys = [curve[x] for x in xs]
+
+    def cost(rows: float) -> float:
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0] if rows > xs[0] else ys[0]
+        i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 1e-6)
+
+    return cost
+
+
 def step_token_budget(curve: dict[int, float], base_rows: int = 1, factor: float = STEP_GAP_FACTOR,
                       floor: int = 16) -> int:
     """``server.max_step_tokens: null``: the most rows a step may take when ``base_rows`` of them are the decoding
     sequences' rows: as many as keep the step within ``factor`` times what those rows alone cost on the measured
-    curve (linear between its points, extrapolated past its end), so a prompt chunk delays the other streams' next
-    tokens by at most that much; at least ``floor`` rows of prompt. A flat curve (a GPU) gives the most rows."""
-    xs = sorted(curve)
-
-    def cost(rows: float) -> float:
-        i = min(max(next((k for k, x in enumerate(xs) if x >= rows), len(xs) - 1), 1), len(xs) - 1)
-        x0, x1 = xs[i - 1], xs[i]
-        return curve[x0] + (curve[x1] - curve[x0]) * (rows - x0) / (x1 - x0)
-
+    curve, so a prompt chunk delays the other streams' next tokens by at most that much; at least ``floor`` rows of
+    prompt. A flat curve (a GPU) gives the most rows."""
+    cost, xs = curve_cost(curve), sorted(curve)
     limit = factor * cost(max(base_rows, xs[0]))
     lo, hi = base_rows, max(xs[-1], base_rows)
     while lo < hi:  # the most rows within the limit (the curve rises with rows)
@@ -136,7 +143,8 @@ def machine_key(quantization: str) -> str:
     name = info.get("model name") or platform.processor() or platform.machine()
     flags = set(info.get("flags", "").split())
     feats = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{name} [{' '.join(feats)}] | torch {torch.__version__} | {torch.get_num_threads()} threads | {quantization}"
+    threads = torch.get_num_threads()
+    return f"{name} [{' '.join(feats)}] | torch {torch.__version__} | {threads} threads | {quantization}"
 
 
 def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.device, quantization: str,
@@ -158,12 +166,8 @@ def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.devic
     best = min(scores, key=lambda d: scores[d]["score"])
     log.info("model.dtype auto: %s (T(1) + T(8) in ms: %s; %s)", best,
              ", ".join(f"{d} {s['score']:.1f}" for d, s in scores.items()), key)
-    if path is not None:
-        known[key] = {"dtype": best, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": scores}
-        try:
-            path.write_text(json.dumps(known, indent=1))
-        except OSError as e:  # a read-only cache (a baked container image): measure again next start
-            log.warning("could not remember the dtype choice in %s: %s", path, e)
+    known[key] = {"dtype": best, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "candidates": scores}
+    _remember(path, known, "dtype choice")
     return best
 
 
@@ -189,12 +193,19 @@ def tune_linear(weights: list[torch.Tensor], cache_dir: Path | None) -> dict[str
                 f"{k} {r['ms']:.3f} ms{'' if r['row_invariant'] else ' not row-invariant'}" for k, r in report.items()))
         chosen[name] = mine[name]["kernel"]
         use_linear_kernel(key, chosen[name])
-    if measured and path is not None:
-        try:
-            path.write_text(json.dumps(known, indent=1))
-        except OSError as e:
-            log.warning("could not remember the kernel choice in %s: %s", path, e)
+    if measured:
+        _remember(path, known, "kernel choice")
     return chosen
+
+
+def _remember(path: Path | None, known: dict, what: str) -> None:
+    """Write a measurement file back (``path`` None: no cache directory, nothing to write)."""
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(known, indent=1))
+    except OSError as e:  # a read-only cache (a baked container image): measure again next start
+        log.warning("could not remember the %s in %s: %s", what, path, e)
 
 
 def _read(path: Path | None) -> dict:

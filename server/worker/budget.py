@@ -19,10 +19,10 @@ per second still grow. A sequence left out takes a plain decode step: the drafte
 """
 from __future__ import annotations
 
-import bisect
 from typing import Callable
 
 from core.tree import MAX_TREE_ROWS
+from server.engine.stepcost import curve_cost
 
 
 class DraftBudget:
@@ -30,10 +30,12 @@ class DraftBudget:
                  accept_decay: float = 0.95):
         self.cost, self.max_rows, self.decay, self.accept_decay = cost, max_rows, decay, accept_decay
         self._rows: dict[int, int] = {}        # seq_id -> rows its drafter proposed last time (root included)
-        self.mean_accepted = 1.0               # over all sequences: the start value of a new one (optimistic)
+        # Draft tokens a drafting step is expected to accept: the drafter's decayed mean over recent drafting steps of
+        # all sequences, optimistic at start. (Per-sequence means were tried: a few unlucky steps froze a sequence out
+        # of drafting, and its estimate never recovered while it did not draft.)
+        self.mean_accepted = 1.0
         self.draft_ms = 0.0                    # decayed mean cost of drafting one sequence in a step, beyond its rows
         self.seq_ms = 0.0                      # decayed mean per-sequence cost of a step beyond its rows
-        self.last_plan: dict[int, int] = {}
 
     @classmethod
     def fixed(cls, max_rows: int = MAX_TREE_ROWS) -> "DraftBudget":
@@ -42,25 +44,8 @@ class DraftBudget:
 
     @staticmethod
     def from_curve(curve: dict[int, float], **kw) -> "DraftBudget":
-        """A budget whose step cost (ms) interpolates a measured curve {rows: ms} linearly, extrapolated past its
-        ends."""
-        xs = sorted(curve)
-        ys = [curve[x] for x in xs]
-
-        def cost(rows: int) -> float:
-            if len(xs) == 1:
-                return ys[0] * rows / xs[0] if rows > xs[0] else ys[0]
-            i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)
-            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-            return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 1e-6)
-
-        return DraftBudget(cost, **kw)
-
-    def expected_accepted(self, seq_id: int) -> float:
-        """Draft tokens a drafting step of this sequence is expected to accept: the drafter's decayed mean over
-        recent drafting steps of all sequences. (Per-sequence means were tried: a few unlucky steps froze a sequence
-        out of drafting, and its estimate never recovered while it did not draft.)"""
-        return self.mean_accepted
+        """A budget whose step cost (ms) interpolates a measured curve {rows: ms} (``stepcost.curve_cost``)."""
+        return DraftBudget(curve_cost(curve), **kw)
 
     def expected_rows(self, seq_id: int, allowed: int) -> int:
         """Rows a sequence allowed ``allowed`` will likely verify."""
@@ -70,8 +55,7 @@ class DraftBudget:
         """{seq_id: max tree rows (root included)} for the sequences that step next: 1 (a plain decode step) or what
         the drafter may propose; ``fixed_rows`` other rows (prompt chunks) share the step."""
         if self.cost is None:
-            self.last_plan = {s.seq_id: self.max_rows for s in seqs}
-            return self.last_plan
+            return {s.seq_id: self.max_rows for s in seqs}
         plan = {s.seq_id: 1 for s in seqs}
         rows, drafting = len(seqs) + fixed_rows, 0
         tokens, spent = float(len(seqs)), self.cost(rows) + self.seq_ms * len(seqs)
@@ -80,18 +64,17 @@ class DraftBudget:
             return self._rows.get(i, 8) - 1  # before a first proposal: a typical tree
 
         def value(i: int) -> float:  # accepted tokens per ms that drafting adds to an otherwise plain step
-            return self.expected_accepted(i) / max(self.draft_ms + self.cost(rows + extra_rows(i)) - self.cost(rows),
+            return self.mean_accepted / max(self.draft_ms + self.cost(rows + extra_rows(i)) - self.cost(rows),
                                                    1e-3)
 
         for i in sorted(plan, key=value, reverse=True):
             more = extra_rows(i)
             longer = self.cost(rows + more) + self.seq_ms * len(seqs) + self.draft_ms * (drafting + 1)
-            gained = tokens + self.expected_accepted(i)
+            gained = tokens + self.mean_accepted
             if more < 1 or gained / longer <= tokens / spent:
                 break
             plan[i] = self.max_rows
             rows, drafting, tokens, spent = rows + more, drafting + 1, gained, longer
-        self.last_plan = plan
         return plan
 
     def record(self, seq_id: int, drafted: int, accepted: int, allowed: int) -> None:
@@ -117,5 +100,4 @@ class DraftBudget:
             self.draft_ms = d * self.draft_ms + (1 - d) * propose_ms / drafting
 
     def forget(self, seq) -> None:
-        for d in (self._rows, self.last_plan):
-            d.pop(seq.seq_id, None)
+        self._rows.pop(seq.seq_id, None)

@@ -121,23 +121,20 @@ class Scheduler:
         finally:
             self._busy_since = None
         seconds = time.monotonic() - started
-        drafted = sum(s.stats.draft_tokens - before[rid][0] for rid, s in decoding.items())
+        step = {rid: (s.stats.draft_tokens - before[rid][0], s.stats.accepted_tokens - before[rid][1],
+                      s.stats.draft_seconds - before[rid][2]) for rid, s in decoding.items()}  # this step's share
+        drafted = sum(d for d, _, _ in step.values())
         rows = len(decoding) + drafted + sum(chunks.values())
         self.send(m.Step(len(decoding), rows, drafted, sum(chunks.values()), seconds))
         self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()),
-                                1000 * sum(s.stats.draft_seconds - before[rid][2] for rid, s in decoding.items()))
-        for rid, seq in decoding.items():
-            d0, a0, _ = before[rid]
-            self.budget.record(seq.seq_id, seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0,
-                               max_rows[seq.seq_id])
+                                1000 * sum(p for _, _, p in step.values()))
+        for rid, (d, a, _) in step.items():
+            self.budget.record(decoding[rid].seq_id, d, a, max_rows[decoding[rid].seq_id])
         for rid, seq in batch.items():
             tokens = emitted.get(seq.seq_id, [])
             if rid in chunks and not tokens and seq.finish_reason is None:
                 continue  # a prompt chunk that is not the last: nothing to tell yet
-            steps = []
-            if rid in before:
-                d0, a0, _ = before[rid]
-                steps = [m.StepStats(seq.stats.draft_tokens - d0, seq.stats.accepted_tokens - a0)]
+            steps = [m.StepStats(*step[rid][:2])] if rid in step else []
             usage = None
             if seq.finish_reason is not None:
                 self.running.pop(rid, None)
