@@ -8,8 +8,8 @@ stay responsive:
   prompts can be more bytes than the pipe buffers, and a worker busy in a prefill, or frozen, does not read). A reader
   thread receives and hands each message to the loop; requests get an ``asyncio.Queue`` of worker messages each.
 - Worker process: a reader thread receives every message at once, answers health probes itself (with how long the
-  scheduler has been in its current prefill or step, so a stuck engine still shows) and queues the rest for the
-  scheduler, which handles them between two prefills and between two steps.
+  scheduler has been in its current step, so a stuck engine still shows) and queues the rest for the scheduler,
+  which handles them between two steps.
 """
 from __future__ import annotations
 
