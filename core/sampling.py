@@ -1,7 +1,13 @@
-"""A request's sampling parameters, the target distribution they define, and the request's seeded generator.
+"""A request's sampling parameters, the target distribution they define, and a request's random draws.
 
 The engine's acceptance rule and every drafter's sampling code share these, so a drafter's q and the engine's p are
 shaped by one function.
+
+A request with a seed draws each token by an exponential race keyed on (seed, position) (:func:`token_clocks`,
+:func:`race`): token x wins with probability p(x), and the winner depends on the target's distribution at that
+position and on nothing else, so a seeded request returns the same tokens whatever drafts were verified, whatever
+else shared its steps and whether the load-aware budget let it draft. A request without a seed keeps a generator
+(:func:`request_generator`) and speculative sampling's rejection rule, which accepts more of a sampled draft.
 """
 from __future__ import annotations
 
@@ -56,6 +62,29 @@ def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+def token_clocks(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] float32 Exp(1) draws for the token at index ``position`` of a request seeded ``seed`` (prompt
+    included): a function of (seed, position) alone, independent across positions and seeds."""
+    gen = torch.Generator()
+    gen.manual_seed(_stream_seed(f"{seed}@{position}"))
+    return torch.rand(vocab_size, generator=gen).log_().neg_()  # u in [0, 1): -log u in (0, inf]
+
+
+def race(probs: torch.Tensor, clocks: torch.Tensor, n: int = 1) -> list[int]:
+    """The first ``n`` indices of ``probs`` [V] to ring when index x's clock runs at rate p(x) (smallest clocks / p
+    first; equivalent to Gumbel-max). The first is a draw from ``probs``; indices of probability 0 never ring before
+    the others."""
+    ratio = clocks.to(probs.device) / probs.float()
+    if n == 1:
+        return [int(torch.argmin(ratio))]
+    return torch.topk(ratio, min(n, ratio.numel()), largest=False).indices.tolist()
+
+
+def _stream_seed(key: str) -> int:
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**64; keep it positive
+
+
 def request_generator(sampling: SamplingParams, device: torch.device, offset: int = 0) -> torch.Generator:
     """A generator for one request: seeded from its ``seed`` or at random when it has none.
 
@@ -68,7 +97,6 @@ def request_generator(sampling: SamplingParams, device: torch.device, offset: in
     if seed is None:
         seed = int(torch.randint(2**62, ()).item())
     elif offset:
-        digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little") >> 1  # torch takes seeds below 2**64; keep it positive
+        seed = _stream_seed(f"{seed}:{offset}")
     gen.manual_seed(seed)
     return gen

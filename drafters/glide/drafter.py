@@ -3,9 +3,12 @@
 Per step: feed the tokens the drafter has not seen yet (the root, plus any accepted tokens it never processed) through
 the draft model, then draft ``gamma`` tokens one forward each. Every draft row reads the target's KV of the verified
 tokens only (``SequenceView.target_kv``: the first ``cache_len`` positions). Greedy requests get argmax chains of point
-masses; sampled requests draw each chain token from the drafter's distribution (shaped by the request's temperature,
-top-k and top-p) and hand that distribution to the engine, which keeps acceptance lossless. After verification the
-drafter's own KV cache is rolled back to the longest prefix of its inputs that the accepted text confirms.
+masses; unseeded sampled requests draw each chain token from the drafter's distribution (shaped by the request's
+temperature, top-k and top-p) and hand that distribution to the engine, which keeps acceptance lossless. A seeded
+request's target draws its tokens by a race on clocks keyed on (seed, position) (``core.sampling``); the drafter runs
+the same race on its own distribution, so its chain token and CAPE alternatives (the next to ring) are its best
+guesses at the target's draw, proposed as point masses. After verification the drafter's own KV cache is rolled back
+to the longest prefix of its inputs that the accepted text confirms.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from core.sampling import request_generator, target_probs
+from core.sampling import race, request_generator, target_probs, token_clocks
 from core.tree import DraftTree, VerifyResult
 from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
@@ -26,7 +29,7 @@ from drafters.glide.model import GlideCheckpointError, GlideModel, causal_visibi
 class _State:
     k: torch.Tensor            # [num_layers, H_kv, S, D] the drafter's own cache
     v: torch.Tensor
-    generator: torch.Generator  # draws sampled chain tokens (seeded from the request's seed when it has one)
+    generator: torch.Generator  # draws the chain tokens of unseeded sampled requests
     inputs: list[int] = field(default_factory=list)  # tokens whose KV sits in the cache, by position
     confirmed: int = 0  # inputs[:confirmed] are known to equal the sequence's tokens
 
@@ -124,8 +127,8 @@ class GlideDrafter:
         st = self._state(seq, len(tokens) + self.gamma + 1)
         _sync(st, tokens)
         h = self._forward(seq, st, tokens[len(st.inputs):])[-1:]  # the root (and unseen accepted tokens)
-        greedy = seq.sampling.greedy
-        chain, alts, confs, qs = [], [], [], []
+        greedy, seed = seq.sampling.greedy, seq.sampling.seed
+        chain, alts, confs, qs = [], [], [], []  # qs: the chain's q rows for unseeded sampling (seeded: point masses)
         for i in range(self.gamma):
             logits = self.model.logits(h).float()  # [1, V_kept]
             probs = torch.softmax(logits, dim=-1)[0]
@@ -134,6 +137,12 @@ class GlideDrafter:
                 tok_local = int(top.indices[0])
                 conf = float(top.values[0])
                 alt_local = top.indices[1:]
+            elif seed is not None:  # the target draws by a race on clocks keyed on (seed, position): run it on q
+                q = target_probs(logits, seq.sampling)[0]
+                clocks = token_clocks(seed, len(tokens) + i, self.c.vocab_size)[self.vocab_ids]
+                order = race(q, clocks, 1 + self.max_expand)
+                tok_local, alt_local = order[0], torch.tensor(order[1:], dtype=torch.long)
+                conf = float(q[tok_local])
             else:
                 q = target_probs(logits, seq.sampling)[0]  # the distribution the chain token is drawn from
                 tok_local = int(torch.multinomial(q, 1, generator=st.generator).item())

@@ -1,9 +1,15 @@
-"""Lossless acceptance of a verified draft tree: greedy (token-exact) and speculative sampling (distribution-exact).
+"""Lossless acceptance of a verified draft tree: greedy and seeded sampling (token-exact), speculative sampling
+(distribution-exact).
 
 Greedy: from the root follow the child whose token is the target's argmax; at the first miss (or a leaf) emit the
 target's argmax there (the bonus token).
 
-Sampling (SpecInfer-style multi-candidate speculative sampling, exact for any tree that keeps the contract of
+Seeded sampling: the same walk, with the target's draw in place of its argmax: the winner of the exponential race
+keyed on the request's seed and the token's position (``core.sampling``). Each emitted token is a draw from the
+target's distribution, and the very token plain decoding with that seed draws: a draft only decides how many of them
+one step emits.
+
+Unseeded sampling (SpecInfer-style multi-candidate speculative sampling, exact for any tree that keeps the contract of
 ``core.tree``): at the current node, p is the target distribution after temperature / top-k / top-p. Children are
 tried in order; child c with token x and draft distribution q_c is accepted with probability min(1, p(x) / q_c(x));
 on rejection p <- norm(max(p - q_c, 0)) and the next sibling is tried. A point-mass child (no q) is the special case
@@ -14,18 +20,33 @@ from __future__ import annotations
 
 import torch
 
+from core.sampling import race, token_clocks
 from core.tree import DraftTree
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
     """Returns (accepted rows, root first; emitted tokens, bonus last). logits: [T+1, V]."""
     best = logits.argmax(-1).tolist()  # [T+1]
+    return follow(tree, lambda node, depth: best[node])
+
+
+def accept_seeded(tree: DraftTree, probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], list[int]]:
+    """Seeded sampling: follow the target's draws. probs: [T+1, V] shaped target distributions (see target_probs);
+    ``position``: the index of the token the root's row predicts (the sequence's length)."""
+    vocab = probs.shape[-1]
+    return follow(tree, lambda node, depth: race(probs[node], token_clocks(seed, position + depth, vocab))[0])
+
+
+def follow(tree: DraftTree, choose) -> tuple[list[int], list[int]]:
+    """From the root, follow the child whose token is ``choose(node, depth)``, the target's token after that node
+    (asked only for the nodes on the path); at the first miss (or a leaf) emit the target's token there."""
     children = tree.children()
     rows, tokens, node = [0], [], 0
     while True:
-        nxt = next((c for c in children[node] if tree.tokens[c] == best[node]), None)
+        want = choose(node, len(tokens))
+        nxt = next((c for c in children[node] if tree.tokens[c] == want), None)
         if nxt is None:
-            tokens.append(best[node])
+            tokens.append(want)
             return rows, tokens
         rows.append(nxt)
         tokens.append(tree.tokens[nxt])

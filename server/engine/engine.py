@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from core.ops import DTYPES, LlamaArgs
-from core.sampling import SamplingParams, request_generator, target_probs
+from core.sampling import SamplingParams, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
 from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
-from server.engine.acceptance import accept_greedy, accept_sampling
+from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention)
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
@@ -330,8 +330,8 @@ class Engine:
         emitted} (a prompt's first token comes with its last chunk).
 
         ``max_rows`` caps a sequence's tree rows (root included; default MAX_TREE_ROWS): at 1 the drafter is not
-        asked at all and the step is a plain decode step. Each sequence keeps its own sampling generator, so what
-        else is in the batch does not change which random numbers a seeded request draws.
+        asked at all and the step is a plain decode step. A seeded request's tokens are a function of its seed and the
+        target's distributions (``core.sampling``), so neither the batch nor the draft changes them.
         """
         out: dict[int, list[int]] = {}
         parts, trees = [], []
@@ -368,12 +368,14 @@ class Engine:
         logits = self.model.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
         at, accepted = 0, []
-        for seq, tree, _ in trees:  # acceptance per sequence, each with its own generator
-            n = tree.num_rows
-            if seq.sampling.greedy:
+        for seq, tree, _ in trees:  # acceptance per sequence, each with its own seed or generator
+            n, sp = tree.num_rows, seq.sampling
+            if sp.greedy:
                 accepted.append(accept_greedy(tree, logits[at:at + n]))
+            elif sp.seed is not None:
+                accepted.append(accept_seeded(tree, target_probs(logits[at:at + n], sp), sp.seed, len(seq.token_ids)))
             else:
-                accepted.append(accept_sampling(tree, target_probs(logits[at:at + n], seq.sampling), seq.generator))
+                accepted.append(accept_sampling(tree, target_probs(logits[at:at + n], sp), seq.generator))
             at += n
         self._compact_many([(seq, rows) for (seq, _, _), (rows, _) in zip(trees, accepted)])
         at = 0
@@ -440,11 +442,13 @@ class Engine:
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         """The prompt is cached: sample the first token from the last prompt row's logits [1, V]."""
-        if seq.sampling.greedy:
+        sp = seq.sampling
+        if sp.greedy:
             tok = int(logits.argmax(-1).item())
+        elif sp.seed is not None:
+            tok = race(target_probs(logits, sp)[0], token_clocks(sp.seed, len(seq.token_ids), logits.shape[-1]))[0]
         else:
-            probs = target_probs(logits, seq.sampling)
-            tok = int(torch.multinomial(probs[0], 1, generator=seq.generator).item())
+            tok = int(torch.multinomial(target_probs(logits, sp)[0], 1, generator=seq.generator).item())
         emitted = self._append(seq, [tok])
         if seq.finish_reason is None:
             self.drafter.prefill(self.view(seq))

@@ -187,10 +187,30 @@ def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, tokenizer,
     assert emitted / steps > 1.2  # the trained drafter really drafts (an untrained one stays near 1.0)
 
 
+def test_seeded_glide_cape_proposes_its_race_order_as_point_masses(fp32_config, target32, prompt_ids):
+    """A seeded request's target draws by a race on clocks keyed on (seed, position); GLIDE runs the same race on its
+    own distribution: the first chain token is its winner, the root's other children the next to ring."""
+    from core.sampling import race, token_clocks
+
+    drafter = create_drafter("glide-cape", target32)
+    engine = Engine(fp32_config, drafter, target32)
+    sp = SamplingParams(temperature=0.8, top_k=50, seed=1)
+    seq = engine.add(prompt_ids[0], sp, max_new_tokens=16)
+    engine.prefill(seq)
+    view = engine.view(seq)
+    tree = drafter.propose(view)
+    assert tree.q is None  # point masses: accepted where they equal the target's draw
+    q = drafter.review(view, [])[0]  # GLIDE's distribution after the root, over the whole vocabulary
+    clocks = token_clocks(sp.seed, len(seq.token_ids), target32.args.vocab_size)
+    first = [tree.tokens[c] for c in tree.children()[0]]
+    assert first == race(q, clocks, len(first))
+    engine.release(seq)
+
+
 def test_sampled_glide_cape_hands_over_its_distributions(fp32_config, target32, prompt_ids):
     drafter = create_drafter("glide-cape", target32)
     engine = Engine(fp32_config, drafter, target32)
-    seq = engine.add(prompt_ids[0], SamplingParams(temperature=0.8, top_k=50, seed=1), max_new_tokens=16)
+    seq = engine.add(prompt_ids[0], SamplingParams(temperature=0.8, top_k=50), max_new_tokens=16)
     engine.prefill(seq)
     tree = drafter.propose(engine.view(seq))
     tree.validate(target32.args.vocab_size)

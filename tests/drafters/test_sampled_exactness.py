@@ -3,8 +3,12 @@
 For each registered drafter but `none`, an Engine on the tiny random target (float32, CPU) runs the drafter the
 registry builds from a config -- its own prefill / propose / observe code -- with randomly initialised weights where
 it has a model: a random GLIDE network (also the cascade's reviewer) over a random subset of the vocabulary, and a
-random Max-Gram bigram table. Each case samples K tokens after a prompt from many independent requests (one request
-seed each) at temperature > 0, some with top-k / top-p. The drafter's quality does not matter; its code path does.
+random Max-Gram bigram table. Each case samples K tokens after a prompt from many independent requests at temperature
+> 0, some with top-k / top-p. The drafter's quality does not matter; its code path does. Requests without a seed go
+through speculative sampling's rejection rule (each request's random state fixed by seeding torch's global generator
+before it, so a run is reproducible); requests with a seed go through the race keyed on (seed, position) that makes
+them token-exact (``core.sampling``), tested here for their distribution, and with a control that reuses one
+position's clocks at every position.
 
 The reference is computed without the code under test: transformers' own LlamaForCausalLM forward on the same saved
 weights (float64), this file's own temperature -> top-k -> top-p (vLLM's order, from the definitions), and every one
@@ -30,6 +34,9 @@ import numpy as np
 import pytest
 import torch
 
+import core.sampling as sampling_module
+import drafters.glide.drafter as glide_module
+import server.engine.acceptance as acceptance_module
 import server.engine.engine as engine_module
 from core.sampling import SamplingParams
 from drafters.base import drafter_names
@@ -178,11 +185,20 @@ def seed_base(name: str, control: int = 0) -> int:
     return 1 + 10 * sorted(CASES).index(name) + 3 * control
 
 
-def sample_joint(engine: Engine, sp: SamplingParams, n: int, seed0: int) -> torch.Tensor:
+def request(engine: Engine, sp: SamplingParams, seed: int, seeded: bool):
+    """A request seeded ``seed``, or (``seeded`` false) one without a seed whose random streams torch's global
+    generator, seeded ``seed`` here, sets."""
+    if seeded:
+        return engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=K)
+    torch.manual_seed(seed)
+    return engine.add(PROMPT, dataclasses.replace(sp, seed=None), max_new_tokens=K)
+
+
+def sample_joint(engine: Engine, sp: SamplingParams, n: int, seed0: int, seeded: bool = False) -> torch.Tensor:
     """Counts [V, V, V] of the K tokens generated after PROMPT by n independent requests (seeds seed0 + i * stride)."""
     counts = torch.zeros(V, V, V)
     for i in range(n):
-        seq = engine.add(PROMPT, dataclasses.replace(sp, seed=seed0 + i * SEED_STRIDE), max_new_tokens=K)
+        seq = request(engine, sp, seed0 + i * SEED_STRIDE, seeded)
         try:
             engine.prefill(seq)
             while seq.finish_reason is None:
@@ -199,8 +215,7 @@ def sample_joint_batched(engine: Engine, sp: SamplingParams, n: int, seed0: int,
     forward for all, then batched speculative steps, each sequence with its own tree and its own generator."""
     counts = torch.zeros(V, V, V)
     for b in range(0, n, batch):
-        seqs = [engine.add(PROMPT, dataclasses.replace(sp, seed=seed0 + i * SEED_STRIDE), max_new_tokens=K)
-                for i in range(b, min(n, b + batch))]
+        seqs = [request(engine, sp, seed0 + i * SEED_STRIDE, seeded=False) for i in range(b, min(n, b + batch))]
         try:
             engine.run([], [(seq, seq.prompt_len) for seq in seqs])
             while any(seq.finish_reason is None for seq in seqs):
@@ -215,8 +230,8 @@ def sample_joint_batched(engine: Engine, sp: SamplingParams, n: int, seed0: int,
 
 
 def recording(accept, coverage: Coverage):
-    def wrapped(tree, probs, generator):
-        rows, tokens = accept(tree, probs, generator)
+    def wrapped(tree, probs, *args):
+        rows, tokens = accept(tree, probs, *args)
         coverage.record(tree, rows)
         return rows, tokens
     return wrapped
@@ -305,6 +320,35 @@ def test_negative_control_bonus_from_p_instead_of_the_residual_is_caught(tiny_di
     pvalue = chi2_pvalue(counts, reference_joint(reference_logits, sp))
     print(f"\n{name} (no residual): p = {pvalue:.3g}")
     assert pvalue < 1e-6
+
+
+@pytest.mark.parametrize("name", ["glide-cape", "cascade"])  # GLIDE's race-ordered chain and CAPE siblings; Max-Gram's
+def test_seeded_sampling_through_the_drafter_matches_the_target(name, tiny_dir, target, weight_files,
+                                                                reference_logits, monkeypatch):
+    """Seeded requests: the target's draws by the race, drafts accepted where they equal them."""
+    case = CASES[name]
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    cov = Coverage()
+    monkeypatch.setattr(engine_module, "accept_seeded", recording(engine_module.accept_seeded, cov))
+    counts = sample_joint(engine, case.sampling, N, seed_base(name, control=6), seeded=True)
+    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, case.sampling))
+    print(f"\n{name} seeded: p = {pvalue:.4g}; {cov}")
+    assert cov.accepted >= N // 20 and cov.deep_accepts > 0 and cov.later_sibling_accepts > 0, cov
+    assert pvalue > 1e-3, f"{name}: seeded sampling does not follow the target's distribution (p = {pvalue:.3g})"
+
+
+def test_negative_control_seeded_clocks_reused_across_positions_are_caught(tiny_dir, target, weight_files,
+                                                                           reference_logits, monkeypatch):
+    """Clocks keyed on the seed alone (every position of a request runs the same race): each token alone still
+    follows its marginal, but successive tokens are no longer independent draws."""
+    name = "glide-cape"
+    real = sampling_module.token_clocks
+    for module in (sampling_module, engine_module, acceptance_module, glide_module):
+        monkeypatch.setattr(module, "token_clocks", lambda seed, position, vocab: real(seed, 0, vocab))
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    sp = CASES[name].sampling
+    counts = sample_joint(engine, sp, N_CONTROL, seed_base(name, control=7), seeded=True)
+    assert chi2_pvalue(counts, reference_joint(reference_logits, sp)) < 1e-6
 
 
 @pytest.mark.parametrize("name", ["glide-cape", "cascade"])  # q rows and sibling trees; Max-Gram branches
