@@ -127,7 +127,9 @@ class Scheduler:
         rows = len(decoding) + drafted + sum(chunks.values())
         self.send(m.Step(len(decoding), rows, drafted, sum(chunks.values()), seconds))
         self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()),
-                                1000 * sum(p for _, _, p in step.values()))
+                                1000 * sum(p for _, _, p in step.values()),
+                                tokens=sum(len(emitted.get(s.seq_id, ())) for s in decoding.values()),
+                                prefill_rows=sum(chunks.values()))
         for rid, (d, a, _) in step.items():
             self.budget.record(decoding[rid].seq_id, d, a, max_rows[decoding[rid].seq_id])
         for rid, seq in batch.items():

@@ -194,6 +194,36 @@ def test_goodput_budget_drafts_when_it_pays_and_stops_under_load():
     assert mid.plan(seqs[:2]) == {0: 64, 1: 64}
 
 
+def test_the_measured_gate_overrules_a_model_that_drafts_where_drafting_measures_slower():
+    """The model wants every sequence to draft (rows nearly free); the steps say otherwise: drafting steps emit a
+    token per 10 ms, plain ones per 5 ms. After the warm-up each arm gets, the gate keeps the plain arm and tries
+    drafting once in EXPLORE_EVERY steps; where drafting measures faster, it drafts."""
+    from server.worker.budget import EXPLORE_EVERY, GATE_WARMUP
+
+    def simulate(draft_ms_per_token: float, plain_ms_per_token: float, steps: int) -> list[bool]:
+        budget = DraftBudget(lambda rows: 20.0 + 0.1 * rows, max_rows=64)
+        seqs = [Seq(i) for i in range(8)]
+        for s in seqs:
+            budget.record(s.seq_id, drafted=6, accepted=3, allowed=64)
+        drafted = []
+        for _ in range(steps):
+            plan = budget.plan(seqs)
+            drafts = any(r > 1 for r in plan.values())
+            drafted.append(drafts)
+            tokens = 16 if drafts else 8
+            ms = tokens * (draft_ms_per_token if drafts else plain_ms_per_token)
+            budget.record_step(ms, rows=8 + 40 * drafts, sequences=8, drafting=8 * drafts, propose_ms=2.0 * drafts,
+                               tokens=tokens)
+        return drafted
+
+    warm = 2 * GATE_WARMUP
+    slower = simulate(10.0, 5.0, warm + 4 * EXPLORE_EVERY)
+    assert sum(slower[:warm]) == GATE_WARMUP  # each arm measured in turn
+    assert sum(slower[warm:]) == 4  # then drafting only to explore
+    faster = simulate(3.0, 5.0, warm + 4 * EXPLORE_EVERY)
+    assert len(faster[warm:]) - sum(faster[warm:]) == 4  # drafting, plain only to explore
+
+
 def test_budget_from_a_measured_curve_interpolates():
     budget = DraftBudget.from_curve({1: 20.0, 8: 24.0, 64: 80.0})
     assert budget.cost(1) == 20.0 and budget.cost(8) == 24.0
