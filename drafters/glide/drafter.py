@@ -1,7 +1,8 @@
 """`glide` and `glide-cape`: the GLIDE draft model as a drafter, with CAPE proposal expansion for `glide-cape`.
 
-Per step: feed the tokens the drafter has not seen yet (the root, plus any accepted tokens it never processed) through
-the draft model, then draft ``gamma`` tokens one forward each. Every draft row reads the target's KV of the verified
+Per step: feed the tokens the drafter has not seen yet through the draft model (the root; before it, for their K/V
+only, the prompt at a first proposal and any accepted tokens it never processed), then draft ``gamma`` tokens one
+forward each. Every draft row reads the target's KV of the verified
 tokens only (``SequenceView.target_kv``: the first ``cache_len`` positions). Greedy requests get argmax chains of point
 masses; unseeded sampled requests draw each chain token from the drafter's distribution (shaped by the request's
 temperature, top-k and top-p) and hand that distribution to the engine, which keeps acceptance lossless. A seeded
@@ -116,17 +117,23 @@ class GlideDrafter:
     # -- Drafter protocol ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seq: SequenceView) -> None:
+        """A new sequence: nothing runs until its first proposal (a sequence the draft budget never lets draft costs
+        the drafter nothing), which reads the prompt then (``_catch_up``)."""
         self._states.pop(seq.seq_id, None)
-        prompt = seq.tokens[:seq.prompt_len]
-        st = self._state(seq, len(prompt) + self.gamma + 2)
-        self._forward(seq, st, prompt, kv_only=True)
+
+    def _catch_up(self, seq: SequenceView, st: _State, tokens: list[int]) -> list[int]:
+        """Bring the drafter's cache up to the tokens before the root (only their K/V is needed: the prompt at a
+        first proposal, the tokens accepted while the budget kept the sequence from drafting); returns the root."""
+        _sync(st, tokens)
+        if len(st.inputs) < len(tokens) - 1:
+            self._forward(seq, st, tokens[len(st.inputs):-1], kv_only=True)
+        return tokens[-1:]
 
     @torch.inference_mode()
     def propose(self, seq: SequenceView) -> DraftTree:
         tokens = seq.tokens
         st = self._state(seq, len(tokens) + self.gamma + 1)
-        _sync(st, tokens)
-        h = self._forward(seq, st, tokens[len(st.inputs):])[-1:]  # the root (and unseen accepted tokens)
+        h = self._forward(seq, st, self._catch_up(seq, st, tokens))  # the root
         greedy, seed = seq.sampling.greedy, seq.sampling.seed
         chain, alts, confs, qs = [], [], [], []  # qs: the chain's q rows for unseeded sampling (seeded: point masses)
         for i in range(self.gamma):
@@ -173,9 +180,7 @@ class GlideDrafter:
         """
         tokens = seq.tokens
         st = self._state(seq, len(tokens) + len(draft) + 1)
-        _sync(st, tokens)
-        pending = tokens[len(st.inputs):]
-        h = self._forward(seq, st, pending + list(draft))[len(pending) - 1:]  # rows: root, draft...
+        h = self._forward(seq, st, self._catch_up(seq, st, tokens) + list(draft))  # rows: root, draft...
         logits = self.model.logits(h).float()
         local = torch.softmax(logits, -1) if seq.sampling.greedy else target_probs(logits, seq.sampling)
         full = torch.zeros(local.shape[0], self.c.vocab_size, dtype=torch.float32, device=local.device)
