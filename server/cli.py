@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, bench offline/serve, train data/glide/bigram/eval-glide.
+"""`specserve` command line: serve, generate, bench offline/serve, train prompts/data/glide/bigram/eval-glide.
 
 Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
 drafter (serve, generate, bench offline) also take ``--drafter``. ``bench serve`` only talks to a running server over
@@ -175,14 +175,71 @@ def cmd_train_eval_glide(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_data(a: argparse.Namespace) -> int:
-    from drafters.train.glide import ensure_data
+def _replay_command(a: argparse.Namespace) -> str:
+    """The command that repeats this run, every option spelled out (a data card's record of how it was made)."""
+    import shlex
+
+    argv = ["specserve", "train", a.train]
+    for action in a.train_parser._actions:
+        value = getattr(a, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value is None or value is False:
+            continue
+        argv += [action.option_strings[-1]] if value is True else [action.option_strings[-1], str(value)]
+    return shlex.join(argv)
+
+
+def _floats(arg: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in arg.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got {arg!r}") from None
+
+
+def cmd_train_prompts(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drafters.train.synth import SynthSettings, default_out_dir, synthesize_prompts
     from server.engine.engine import load_target
 
+    settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
+                             max_answer_tokens=a.max_answer_tokens, temperature=a.temperature, top_p=a.top_p,
+                             multi_turn_share=a.multi_turn_share, heldout_fraction=a.heldout,
+                             shard_size=a.shard_size, max_generated=a.max_generated)
     cfg = _config(a)
-    path, items = ensure_data(cfg, load_target(cfg), a.data, a.max_new_tokens, a.gen_batch, a.limit,
-                              log=_log)
-    print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens")
+    target = load_target(cfg)
+    out = Path(a.out) if a.out else default_out_dir(cfg, target.model_id)
+    st = synthesize_prompts(cfg, target, out, settings, batch=a.batch, step_tokens=a.step_tokens, log=_log,
+                            command=_replay_command(a))
+    g = st["generation"]
+    print(f"{out}: {st['kept']} prompts kept of {st['generated']} generated ({st['train']} train, {st['heldout']} "
+          f"held out, {st['multi_turn']} multi-turn); {g['prompts_per_s']:.2f} prompts/s, {g['tokens_per_s']:.0f} "
+          f"tokens/s")
+    print("categories: " + ", ".join(f"{c} {v:.1%}" for c, v in st["category_shares"].items()))
+    print("rejected: " + (", ".join(f"{r} {n}" for r, n in st["rejected"].items()) or "none"))
+    return 0
+
+
+def cmd_train_data(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from drafters.train.data import AnswerSettings, answer_records, prompt_records
+    from drafters.train.glide import work_dir
+    from drafters.train.synth import default_out_dir
+    from server.engine.engine import load_target
+
+    settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
+                              sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
+    cfg = _config(a)
+    target = load_target(cfg)
+    records = prompt_records(a.prompts, default_out_dir(cfg, target.model_id) / "train.jsonl", _log)
+    records = records[:a.limit] if a.limit else records
+    path = Path(a.data) if a.data else work_dir(cfg, target.model_id) / "responses.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = answer_records(cfg, target, records, path, settings, batch=a.gen_batch, step_tokens=a.step_tokens,
+                          log=_log, command=_replay_command(a))
+    items = data["items"]
+    print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens; data card "
+          f"{path.with_suffix('.card.md')}")
     return 0
 
 
@@ -264,7 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train drafters for the configured target (self-distilled, offline)")
     tsub = t.add_subparsers(dest="train", required=True)
-    td = tsub.add_parser("data", help="have the target answer the training prompts (cached, resumable)")
+    tp = tsub.add_parser("prompts", help="synthesize training prompts with the target itself (Magpie: the chat "
+                         "template up to a user turn, sampled; filtered, deduplicated; cached, resumable)")
+    _common(tp, drafter_help=None)
+    tp.add_argument("--count", type=int, default=20_000, help="prompts to keep after filtering and deduplication")
+    tp.add_argument("--seed", type=int, default=0, help="the same seed gives the same prompts")
+    tp.add_argument("--max-prompt-tokens", type=int, default=128,
+                    help="token cap of a user turn; one without its end-of-turn token by then is dropped")
+    tp.add_argument("--max-answer-tokens", type=int, default=256,
+                    help="token cap of the target's answer before a multi-turn follow-up")
+    tp.add_argument("--batch", type=int, default=64, help="sequences per batched target forward (KV slots)")
+    tp.add_argument("--step-tokens", type=int, default=512, help="rows per target forward: decode steps, then "
+                    "prompt chunks")
+    tp.add_argument("--temperature", type=float, default=0.8, help="sampling temperature of the user turns")
+    tp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the user turns (1 = off)")
+    tp.add_argument("--multi-turn-share", type=float, default=0.25,
+                    help="share of prompts that get the target's answer and a synthesized follow-up turn")
+    tp.add_argument("--heldout", type=float, default=0.02, help="share of prompts kept out of training "
+                    "(heldout.jsonl), by a hash of the text")
+    tp.add_argument("--shard-size", type=int, default=512, help="prompts generated per resumable shard")
+    tp.add_argument("--max-generated", type=int, default=None,
+                    help="stop after this many generated prompts whatever survives (default: 10 x --count)")
+    tp.add_argument("--out", default=None, help="output directory (default: <cache>/train/<target>/synth)")
+    tp.set_defaults(func=cmd_train_prompts, train_parser=tp)
+    td = tsub.add_parser("data", help="have the target answer the training prompts with the batched engine "
+                         "(cached, resumable, with a data card)")
     tg = tsub.add_parser("glide", help="train a GLIDE draft model (runs `train data` first when needed)")
     tb = tsub.add_parser("bigram", help="build the Max-Gram bigram table from the same data (runs `train data` "
                          "first when needed)")
@@ -272,9 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
         _common(q, drafter_help=None)  # they train drafters for the configured target; none runs
         q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
         q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
-        q.add_argument("--gen-batch", type=int, default=32, help="prompts per batched generate call")
+        q.add_argument("--gen-batch", type=int, default=64, help="sequences per batched target forward when "
+                       "generating data (KV slots)")
         q.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
-    td.set_defaults(func=cmd_train_data)
+    td.add_argument("--prompts", default=None, help="comma-separated prompt sources: `project` (drafters/train/"
+                    "prompts.py), `synth` (what `train prompts` wrote) or JSONL files (default: project, plus synth "
+                    "when it exists)")
+    td.add_argument("--temperatures", default="0.7,1.0", help="comma-separated temperatures of the sampled answers")
+    td.add_argument("--sampled-share", type=float, default=0.25,
+                    help="share of prompts answered by sampling at one of --temperatures (the rest greedy)")
+    td.add_argument("--seed", type=int, default=0, help="picks the sampled prompts and seeds their answers")
+    td.add_argument("--shard-size", type=int, default=512, help="prompts per resumable shard")
+    td.add_argument("--step-tokens", type=int, default=512, help="rows per target forward: decode steps, then "
+                    "prompt chunks")
+    td.set_defaults(func=cmd_train_data, train_parser=td)
     tg.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
                     "glide.safetensors, or vanilla.safetensors with --vanilla)")
     tg.add_argument("--vanilla", action="store_true", help="train without cross-attention (the ablation)")

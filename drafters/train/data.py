@@ -1,19 +1,42 @@
 """Self-distilled training data: the target model answers the training prompts; we keep the token ids.
 
-Responses come from the target itself (batched Hugging Face ``generate`` over the same converted weights), so a drafter
-learns the distribution it will be verified against. The file is written after every batch and a rerun continues
-where it stopped. Format (``torch.save``): {"model_id", "max_new_tokens", "temperature", "items": [{"prompt_ids",
-"response_ids", "source", "index"}]} (index = position in the prompt list); ``response_ids`` end with the stop token when the answer finished.
+Why the target answers: a drafter is verified against the target's own distribution, so that distribution is what it
+must learn. Why the batched engine: the answers are tens of thousands of sequences, and the serving engine already
+runs many of them per target forward (continuous batching: a finished sequence's KV slot goes to the next prompt at
+once, a new prompt is prefilled in chunks inside the decode steps of the others), over the same weights, dtype and
+kernels that will serve. Most answers are greedy; a configurable share is sampled at the temperatures users send
+(sampled requests are verified against the sampled distribution), each seeded by its prompt's index, so a run is a
+function of its prompts and settings: the engine draws a seeded request's tokens by a race keyed on (seed, position),
+whatever else shares the step.
+
+Work is cut into shards of consecutive prompts, each written atomically when done and keyed by its settings and prompt
+ids, so a killed run continues where it stopped and a changed prompt list regenerates only the shards it touches.
+
+Output (``torch.save``): {"model_id", "max_new_tokens", "temperature", "temperatures", "seed", "complete",
+"items": [{"prompt_ids", "response_ids", "source", "index", "category", "temperature"}]} (index = position in the
+prompt list); ``response_ids`` end with the stop token when the answer finished. A data card (JSON and Markdown) sits
+next to it. ``generate_responses`` keeps the Hugging Face ``generate`` path as a reference.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import shlex
 import time
+from collections import Counter, deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Generator, Iterable
 
 import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_record, stop_token_ids
+
+MIN_PREFILL_CHUNK = 16     # prompt rows a step prefills even when the decoding sequences fill its budget
+DEFAULT_TEMPERATURES = (0.7, 1.0)
+LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def default_data_path(cache_dir: Path, model_id: str) -> Path:
@@ -24,11 +47,368 @@ def load_responses(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def stable_int(*parts: Any) -> int:
+    """A 62-bit integer from ``parts``, the same in every process (Python's ``hash`` of a str is salted per run)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def stable_unit(*parts: Any) -> float:
+    """A float in [0, 1) from ``parts``, the same in every process."""
+    return stable_int(*parts) / 2**62
+
+
+# -- batched generation on the engine -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_ids: list[int]
+    sampling: Any              # core.sampling.SamplingParams
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenResult:
+    token_ids: list[int]       # generated tokens, the stop token included when the sequence stopped
+    finish_reason: str         # "stop", "length", or "refused" (the engine could not take the prompt)
+
+
+# A job asks for one or more generations in turn (``yield request`` returns its result) and returns its record.
+Job = Generator[GenRequest, GenResult, Any]
+
+
+def single(request: GenRequest) -> Job:
+    """A job of one generation: returns its GenResult."""
+    return (yield request)
+
+
+class BatchedGenerator:
+    """Runs many jobs through one engine, one batched target forward per step.
+
+    The loop is the server scheduler's (server/worker/scheduler.py) without its queues and budget: free KV slots take
+    the next requests, then one ``Engine.run`` decodes every sequence whose prompt is cached and prefills prompt chunks
+    of the others in the rows left under ``step_tokens``. Plain decoding: no drafter is asked.
+    """
+
+    def __init__(self, cfg, target, slots: int, max_seq_len: int, step_tokens: int = 512):
+        from server.config import DrafterConfig
+        from server.engine.engine import Engine
+
+        if slots < 1:
+            raise ValueError("the batch needs at least one sequence")
+        max_seq_len = min(max_seq_len, int(target.model.rope.cos.shape[0]))
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_slots=slots, max_seq_len=max_seq_len),
+                                  drafter=DrafterConfig(name="none"))
+        self.engine = Engine(cfg, target=target)
+        self.step_tokens = max(step_tokens, slots + MIN_PREFILL_CHUNK)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def run(self, jobs: Iterable[Job], on_step: Callable[[int, int], None] | None = None) -> list:
+        """Every job's return value, in job order. ``on_step(tokens, jobs_done)`` follows each batched step."""
+        from server.engine.engine import RequestError
+
+        pending, ready, running, results = enumerate(jobs), deque(), [], {}
+        exhausted = False
+
+        def advance(jid: int, job: Job, result: GenResult | None) -> None:
+            try:
+                ready.append((jid, job, next(job) if result is None else job.send(result)))
+            except StopIteration as stop:
+                results[jid] = stop.value
+
+        while True:
+            done_before = len(results)
+            while self.engine.pool.slots_used < self.engine.pool.num_slots:
+                if not ready:
+                    nxt = None if exhausted else next(pending, None)
+                    if nxt is None:
+                        exhausted = True
+                        break
+                    advance(*nxt, None)
+                    continue
+                jid, job, req = ready.popleft()
+                try:
+                    seq = self.engine.add(list(req.prompt_ids), req.sampling, req.max_new_tokens, req.stop_ids)
+                except RequestError:
+                    advance(jid, job, GenResult([], "refused"))
+                    continue
+                running.append((jid, job, seq))
+            if not running:
+                if on_step and len(results) > done_before:
+                    on_step(0, len(results) - done_before)
+                if exhausted and not ready:
+                    break
+                continue
+            emitted = self._step([seq for _, _, seq in running])
+            still = []
+            for jid, job, seq in running:
+                if seq.finish_reason is None:
+                    still.append((jid, job, seq))
+                    continue
+                self.engine.release(seq)
+                advance(jid, job, GenResult(list(seq.output_ids), seq.finish_reason))
+            running = still
+            if on_step:
+                on_step(emitted, len(results) - done_before)
+        return [results[i] for i in range(len(results))]
+
+    def _step(self, seqs: list) -> int:
+        """One batched forward: decode steps for the cached sequences, prompt chunks for the rest -> tokens emitted."""
+        decoding = [s for s in seqs if s.cache_len >= s.prompt_len]
+        room, chunks = self.step_tokens - len(decoding), []
+        for s in seqs:
+            if s.cache_len >= s.prompt_len:
+                continue
+            if chunks and room < 1:
+                break
+            n = min(s.prompt_len - s.cache_len, max(room, MIN_PREFILL_CHUNK))
+            chunks.append((s, n))
+            room -= n
+        out = self.engine.run(decoding, chunks, {s.seq_id: 1 for s in decoding})
+        return sum(len(t) for t in out.values())
+
+
+# -- answers at scale ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AnswerSettings:
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES
+    sampled_share: float = 0.25    # share of prompts answered by sampling, at one of ``temperatures``
+    seed: int = 0
+    shard_size: int = 512
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        if not 0.0 <= self.sampled_share <= 1.0:
+            raise ValueError("--sampled-share must be in [0, 1]")
+        if self.sampled_share > 0 and (not self.temperatures or any(t <= 0 for t in self.temperatures)):
+            raise ValueError("--temperatures must be positive when --sampled-share is above 0")
+        if self.shard_size < 1:
+            raise ValueError("the shard size must be >= 1")
+
+
+def answer_temperature(index: int, s: AnswerSettings) -> float:
+    """Greedy (0.0) or one of the sampling temperatures for prompt ``index``: a fixed function of (seed, index)."""
+    if s.sampled_share <= 0 or stable_unit(s.seed, "sampled", index) >= s.sampled_share:
+        return 0.0
+    return s.temperatures[stable_int(s.seed, "temperature", index) % len(s.temperatures)]
+
+
+def answer_sampling(index: int, s: AnswerSettings):
+    from core.sampling import SamplingParams
+
+    t = answer_temperature(index, s)
+    return SamplingParams() if t == 0.0 else SamplingParams(temperature=t, seed=stable_int(s.seed, "answer", index))
+
+
+def _shard_key(model_id: str, dtype, s: AnswerSettings, records: list[dict], prompts: list[list[int]],
+               indices: range) -> str:
+    """What a shard's answers depend on: the target, the settings, and its prompts (ids and labels)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps([model_id, str(dtype), s.max_new_tokens, list(s.temperatures), s.sampled_share, s.seed,
+                         indices.start, indices.stop]).encode())
+    for i in indices:
+        h.update(json.dumps([prompts[i], records[i].get("source"), records[i].get("category")]).encode())
+    return h.hexdigest()
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def shard_dir(out: Path) -> Path:
+    """Where ``out``'s shards live: ``responses.pt`` -> ``responses.shards/``."""
+    return out.with_name(out.stem + ".shards")
+
+
+def answer_records(cfg, target, records: list[dict], out: Path, settings: AnswerSettings | None = None,
+                   batch: int = 64, step_tokens: int = 512, max_shards: int | None = None, progress: bool = True,
+                   log=print, command: str | None = None) -> dict:
+    """The target answers every record with the batched engine; resumable by shards. Returns the data dict (the
+    merged file is written only when every shard is done; ``max_shards`` stops after that many new shards)."""
+    from server.engine.weights import load_tokenizer
+
+    s = settings or AnswerSettings()
+    out = Path(out)
+    tok = load_tokenizer(target.hf_dir)
+    stops = stop_token_ids(tok, target.args.eos_token_ids)
+    prompts = [encode_record(tok, r) for r in records]
+    shards = [range(a, min(a + s.shard_size, len(records))) for a in range(0, len(records), s.shard_size)]
+    sdir = shard_dir(out)
+    sdir.mkdir(parents=True, exist_ok=True)
+    keys = [_shard_key(target.model_id, target.dtype, s, records, prompts, r) for r in shards]
+    done = {k for k, key in enumerate(keys) if _shard_ok(sdir / f"answers-{k:05d}.pt", key)}
+    todo = [k for k in range(len(shards)) if k not in done]
+    if done:
+        log(f"{len(done)} of {len(shards)} answer shards already done in {sdir}")
+    gen, new_shards, t0, n_tok = None, 0, time.perf_counter(), 0
+    bar = tqdm(total=sum(len(shards[k]) for k in todo), desc="target answers", unit="prompt", disable=not progress,
+               smoothing=0.05)
+    for k in todo:
+        if max_shards is not None and new_shards >= max_shards:
+            break
+        if gen is None:
+            longest = max(len(prompts[i]) for k2 in todo for i in shards[k2])
+            gen = BatchedGenerator(cfg, target, batch, longest + s.max_new_tokens + 1, step_tokens)
+
+        def on_step(tokens: int, finished: int) -> None:
+            nonlocal n_tok
+            n_tok += tokens
+            bar.update(finished)
+            bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", refresh=False)
+
+        t_shard = time.perf_counter()
+        jobs = (single(GenRequest(prompts[i], answer_sampling(i, s), s.max_new_tokens, stops)) for i in shards[k])
+        results = gen.run(jobs, on_step)
+        items = [_item(i, records[i], prompts[i], r, answer_temperature(i, s)) for i, r in zip(shards[k], results)]
+        _save_atomic({"key": keys[k], "items": items, "seconds": time.perf_counter() - t_shard},
+                     sdir / f"answers-{k:05d}.pt")
+        new_shards += 1
+    bar.close()
+    if len(done) + new_shards < len(shards):
+        return {"model_id": target.model_id, "complete": False, "items": []}
+    data = _merge(sdir, len(shards), target.model_id, s)
+    data["records"] = len(records)
+    _save_atomic(data, out)
+    write_data_card(out, data, records, command, time.perf_counter() - t0)
+    return data
+
+
+def _shard_ok(path: Path, key: str) -> bool:
+    if not path.exists():
+        return False
+    try:
+        return torch.load(path, weights_only=True)["key"] == key
+    except Exception:  # a torn or foreign file: regenerate it
+        return False
+
+
+def _item(index: int, record: dict, prompt: list[int], result: GenResult, temperature: float) -> dict:
+    return {"prompt_ids": prompt, "response_ids": result.token_ids, "source": record.get("source", ""),
+            "index": index, "category": record.get("category", record.get("source", "")),
+            "temperature": temperature, "finish_reason": result.finish_reason}
+
+
+def _merge(sdir: Path, n: int, model_id: str, s: AnswerSettings) -> dict:
+    """Every shard's answers in index order; prompts the engine refused (longer than its context) are left out."""
+    items, seconds = [], 0.0
+    for k in range(n):
+        shard = torch.load(sdir / f"answers-{k:05d}.pt", weights_only=True)
+        items += shard["items"]
+        seconds += shard["seconds"]
+    kept = [it for it in items if it["finish_reason"] != "refused" and it["response_ids"]]
+    return {"model_id": model_id, "max_new_tokens": s.max_new_tokens, "temperature": 0.0,
+            "temperatures": list(s.temperatures), "sampled_share": s.sampled_share, "seed": s.seed,
+            "complete": True, "refused": len(items) - len(kept), "generation_seconds": round(seconds, 1),
+            "items": kept}
+
+
+def prompt_records(sources: str | None, synth_train: Path | None, log=print) -> list[dict]:
+    """The prompts to answer, from a comma-separated list of sources: ``project`` (drafters/train/prompts.py: chat
+    prompts and the HumanEval training split), ``synth`` (the synthesized train split, ``synth_train``) or JSONL
+    paths. None: ``project`` plus ``synth`` when it exists."""
+    from drafters.train.prompts import training_records
+    from server.bench.offline import read_prompts
+
+    names = [x.strip() for x in (sources or "project,synth?").split(",") if x.strip()]
+    records: list[dict] = []
+    for name in names:
+        if name == "project":
+            records += training_records()
+        elif name in ("synth", "synth?"):
+            if synth_train is not None and Path(synth_train).exists():
+                records += [dict(r, source=r.get("source", "synth")) for r in read_prompts(synth_train)]
+            elif name == "synth":
+                raise FileNotFoundError(f"no synthesized prompts at {synth_train}: run `specserve train prompts` first")
+            else:
+                log(f"no synthesized prompts at {synth_train} (`specserve train prompts` writes them); answering the "
+                    "project prompts only")
+        else:
+            records += [dict(r, source=r.get("source", Path(name).stem)) for r in read_prompts(name)]
+    return records
+
+
+# -- the data card --------------------------------------------------------------------------------------------------
+def length_histogram(lengths: list[int], bins: tuple[int, ...] = LENGTH_BINS) -> dict[str, int]:
+    """{"<16": n, "16-31": n, ..., ">=1024": n}: answer lengths in tokens."""
+    edges = [0, *bins]
+    hist = {}
+    for lo, hi in zip(edges, edges[1:]):
+        hist[f"<{hi}" if lo == 0 else f"{lo}-{hi - 1}"] = sum(lo <= n < hi for n in lengths)
+    hist[f">={bins[-1]}"] = sum(n >= bins[-1] for n in lengths)
+    return hist
+
+
+def data_card(data: dict, records: list[dict], command: str | None, seconds: float) -> dict:
+    items = data["items"]
+    lengths = [len(it["response_ids"]) for it in items]
+    by_cat: dict[str, dict[str, int]] = {}
+    for it in items:
+        c = by_cat.setdefault(it.get("category") or it["source"] or "unknown", {"answers": 0, "answer_tokens": 0})
+        c["answers"] += 1
+        c["answer_tokens"] += len(it["response_ids"])
+    turns = Counter(sum(m["role"] == "user" for m in r.get("messages", [])) or 1 for r in records)
+    return {
+        "model_id": data["model_id"], "command": command, "prompts": len(records), "answers": len(items),
+        "answer_tokens": sum(lengths), "prompt_tokens": sum(len(it["prompt_ids"]) for it in items),
+        "max_new_tokens": data["max_new_tokens"], "seed": data["seed"],
+        "finished": sum(it["finish_reason"] == "stop" for it in items),
+        "cut_at_max_new_tokens": sum(it["finish_reason"] == "length" for it in items),
+        "temperatures": {f"{t:g}": n for t, n in sorted(Counter(it["temperature"] for it in items).items())},
+        "user_turns": {str(k): v for k, v in sorted(turns.items())},
+        "by_category": dict(sorted(by_cat.items())),
+        "answer_length_histogram": length_histogram(lengths),
+        "refused_prompts": data.get("refused", 0),
+        "generation_seconds": data.get("generation_seconds"),
+        "answer_tokens_per_s": round(sum(lengths) / data["generation_seconds"], 1)
+        if data.get("generation_seconds") else None,
+        "seconds_this_run": round(seconds, 1),
+    }
+
+
+def card_markdown(card: dict) -> str:
+    lines = [f"# Self-distilled answers of {card['model_id']}", "",
+             f"- command: `{card['command']}`" if card["command"] else "- command: (library call)",
+             f"- prompts: {card['prompts']}, answers: {card['answers']}, answer tokens: {card['answer_tokens']}, "
+             f"prompt tokens: {card['prompt_tokens']}",
+             f"- finished with a stop token: {card['finished']}; cut at {card['max_new_tokens']} new tokens: "
+             f"{card['cut_at_max_new_tokens']}",
+             f"- temperatures (0 = greedy): {card['temperatures']}, seed {card['seed']}",
+             f"- user turns per prompt: {card['user_turns']}; prompts over the context left out: "
+             f"{card['refused_prompts']}",
+             f"- generation: {card['generation_seconds']} s over all shards, {card['answer_tokens_per_s']} answer "
+             "tokens/s", "",
+             "| category | answers | answer tokens |", "| --- | ---: | ---: |"]
+    lines += [f"| {c} | {v['answers']} | {v['answer_tokens']} |" for c, v in card["by_category"].items()]
+    lines += ["", "| answer length (tokens) | answers |", "| --- | ---: |"]
+    lines += [f"| {k} | {v} |" for k, v in card["answer_length_histogram"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_data_card(out: Path, data: dict, records: list[dict], command: str | None, seconds: float) -> dict:
+    card = data_card(data, records, command, seconds)
+    out.with_suffix(".card.json").write_text(json.dumps(card, indent=1) + "\n")
+    out.with_suffix(".card.md").write_text(card_markdown(card))
+    return card
+
+
+def format_command(argv: list[str]) -> str:
+    return shlex.join(["specserve", *argv])
+
+
+# -- the Hugging Face reference path ----------------------------------------------------------------------------
 @torch.inference_mode()
 def generate_responses(hf_dir: Path, model_id: str, records: list[dict], out: Path, max_new_tokens: int = 256,
                        batch_size: int = 32, temperature: float = 0.0, seed: int = 0, dtype=torch.bfloat16,
                        device: str = "cpu", progress: bool = True) -> dict:
-    """Answer every record with the target (greedy when temperature is 0); resumable, returns the data dict."""
+    """Answer every record with Hugging Face ``generate`` (greedy when temperature is 0); resumable, returns the data
+    dict. The reference the engine path is checked against; ``answer_records`` is the one that scales."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(out)

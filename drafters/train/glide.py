@@ -265,19 +265,23 @@ def work_dir(cfg, model_id: str) -> Path:
 
 def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_size: int, limit: int | None,
                 progress: bool = True, log=print) -> tuple[Path, list[dict]]:
-    """The self-distilled answers (generated on first use, resumable)."""
-    from drafters.train.data import generate_responses, load_responses
-    from drafters.train.prompts import training_records
+    """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
+    the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
+    batched engine (resumable; drafters/train/data.py)."""
+    from drafters.train.data import AnswerSettings, answer_records, load_responses, prompt_records
+    from drafters.train.synth import default_out_dir
 
     path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
-    records = training_records()[:limit] if limit else training_records()
     data = load_responses(path) if path.exists() else None
-    if data is None or len(data["items"]) < len(records):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"generating target answers for {len(records)} prompts into {path}")
-        data = generate_responses(target.hf_dir, target.model_id, records, path, max_new_tokens=max_new_tokens,
-                                  batch_size=batch_size, dtype=target.dtype, device=str(target.device),
-                                  progress=progress)
+    if data is None or not data.get("complete", False):
+        records = prompt_records(None, default_out_dir(cfg, target.model_id) / "train.jsonl", log)
+        records = records[:limit] if limit else records
+        # A file from before the sharded format holds as many items as prompts when it is complete.
+        if data is None or "complete" in data or len(data["items"]) < len(records):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log(f"generating target answers for {len(records)} prompts into {path}")
+            data = answer_records(cfg, target, records, path, AnswerSettings(max_new_tokens=max_new_tokens),
+                                  batch=batch_size, progress=progress, log=log)
     if data["model_id"] != target.model_id:
         raise ValueError(f"{path} holds answers of {data['model_id']!r}, not of the target {target.model_id!r}")
     items = data["items"][:limit] if limit else data["items"]
