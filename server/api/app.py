@@ -90,6 +90,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
 
     from server.engine.weights import load_tokenizer, resolve_model
     from server.tokenization import stop_token_ids
+    from server.worker.process import freeze_startup_heap
     from core.ops import LlamaArgs
     from server.engine.weights import load_hf_config
 
@@ -117,6 +118,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
                         stop_token_ids=list(stop_token_ids(tokenizer, args.eos_token_ids)), api_key=api_key,
                         created=int(time.time()))
     app = create_app(state)
+    freeze_startup_heap()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=drain_timeout, access_log=False))
     # uvicorn re-raises the signal that stopped it once it has drained; with these handlers in place that re-raise

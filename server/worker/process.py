@@ -14,6 +14,7 @@ stay responsive:
 from __future__ import annotations
 
 import asyncio
+import gc
 import functools
 import logging
 import multiprocessing as mp
@@ -29,6 +30,14 @@ from server.config import EngineConfig
 from server.worker import messages as m
 
 log = logging.getLogger("specserve.worker")
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, the model's Python objects: millions) out of the
+    garbage collector's reach. Otherwise a full collection walks them all, and one came about 200 ms into serving,
+    stalling every stream at once: the API process's event loop, and the worker's step on the shared cores."""
+    gc.collect()
+    gc.freeze()
 
 
 def worker_main(cfg: EngineConfig, conn: Connection) -> None:
@@ -65,6 +74,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
         if goodput:
             budget = DraftBudget.from_curve(curve)
     sched = Scheduler(engine, send, cfg.server.max_waiting, max_step, budget)
+    freeze_startup_heap()
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
     threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
                      daemon=True).start()
