@@ -11,6 +11,7 @@ else shared its steps and whether the load-aware budget let it draft. A request 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -62,9 +63,11 @@ def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return x.softmax(-1)
 
 
+@functools.lru_cache(maxsize=64)  # a drafter's draws at the positions it drafts are the engine's when it verifies
 def token_clocks(seed: int, position: int, vocab_size: int) -> torch.Tensor:
     """[vocab_size] float32 Exp(1) draws for the token at index ``position`` of a request seeded ``seed`` (prompt
-    included): a function of (seed, position) alone, independent across positions and seeds."""
+    included): a function of (seed, position) alone, independent across positions and seeds. Shared between
+    callers: read it, never modify it in place."""
     gen = torch.Generator()
     gen.manual_seed(_stream_seed(f"{seed}@{position}"))
     return torch.rand(vocab_size, generator=gen).log_().neg_()  # u in [0, 1): -log u in (0, inf]
