@@ -38,6 +38,14 @@ def tokenizer(target32):
 
 
 @pytest.fixture(scope="session")
+def stops(tokenizer, target32):
+    """The default model's stop tokens (end of turn and end of text)."""
+    from server.tokenization import stop_token_ids
+
+    return stop_token_ids(tokenizer, target32.args.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
 def hf_model32(target32):
     from transformers import AutoModelForCausalLM
 

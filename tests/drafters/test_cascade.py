@@ -17,7 +17,6 @@ from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_
 from drafters.glide.model import default_checkpoint
 from drafters.train.bigram import count_bigrams
 from server.engine.engine import Engine
-from server.tokenization import stop_token_ids
 from tests.conftest import encode_prompts
 
 V = 2000
@@ -269,11 +268,6 @@ MAX_NEW = 32
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     return encode_prompts(tokenizer, PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def stops(tokenizer, target32):
-    return stop_token_ids(tokenizer, target32.args.eos_token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import pytest
 from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from server.engine.engine import Engine
-from server.tokenization import stop_token_ids
 from tests.conftest import encode_prompts
 from tests.engine.tree_drafters import OracleTreeDrafter
 
@@ -25,11 +24,6 @@ MAX_NEW = 32
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     return encode_prompts(tokenizer, PROMPTS)
-
-
-@pytest.fixture(scope="module")
-def stops(tokenizer, target32):
-    return stop_token_ids(tokenizer, target32.args.eos_token_ids)
 
 
 @pytest.fixture(scope="module")
