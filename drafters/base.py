@@ -32,6 +32,7 @@ class TargetView(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...           # [N] -> [N, hidden]
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...      # [N, hidden] pre-norm -> [N, V] logits
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...   # [N, hidden] pre-norm -> post-norm features
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...  # [N, heads, D] rotated
     @property
     def embed_weight(self) -> torch.Tensor: ...    # [V, hidden] input embedding (frozen; do not modify)
@@ -76,6 +77,7 @@ _REGISTRY: dict[str, str] = {
     "glide-cape": "drafters.glide.drafter:GlideCapeDrafter",
     "maxgram": "drafters.cascade.maxgram:MaxGramDrafter",
     "cascade": "drafters.cascade.drafter:CascadeDrafter",
+    "falcon": "drafters.falcon.drafter:FalconDrafter",
 }
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.ops import DTYPES, LlamaArgs
+from core.ops import DTYPES, LlamaArgs, rms_norm
 from core.sampling import SamplingParams, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
@@ -102,6 +102,10 @@ class Target:
     @torch.inference_mode()
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.model.norm, self.args.rms_norm_eps)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.rope(x, positions)
