@@ -1,4 +1,4 @@
-"""`specserve` command line: serve, generate, bench offline/serve, train prompts/data/glide/bigram/eval-glide.
+"""`specserve` command line: serve, generate, bench offline/serve, train prompts/data/glide/falcon/bigram/eval-glide.
 
 Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
 drafter (serve, generate, bench offline) also take ``--drafter``. ``bench serve`` only talks to a running server over
@@ -147,6 +147,17 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
                     limit=a.limit, text_tokens=a.text_tokens, log=_log,
                     **overrides)
+    return 0
+
+
+def cmd_train_falcon(a: argparse.Namespace) -> int:
+    from drafters.train.falcon import FalconTrainOptions, run_train_falcon
+
+    opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
+                              csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist)
+    run_train_falcon(_config(a), out=a.out, data_path=a.data, opts=opts, k=a.k, vocab_subset=a.vocab_subset,
+                     max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit,
+                     text_tokens=a.text_tokens, log=_log)
     return 0
 
 
@@ -347,9 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     td = tsub.add_parser("data", help="have the target answer the training prompts with the batched engine "
                          "(cached, resumable, with a data card)")
     tg = tsub.add_parser("glide", help="train a GLIDE draft model (runs `train data` first when needed)")
+    tf = tsub.add_parser("falcon", help="train the Falcon drafting head with CSGD (runs `train data` first when "
+                         "needed)")
     tb = tsub.add_parser("bigram", help="build the Max-Gram bigram table from the same data (runs `train data` "
                          "first when needed)")
-    for q in (td, tg, tb):
+    for q in (td, tg, tf, tb):
         _common(q, drafter_help=None)  # they train drafters for the configured target; none runs
         q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
         q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
@@ -385,6 +398,24 @@ def build_parser() -> argparse.ArgumentParser:
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
     tg.set_defaults(func=cmd_train_glide)
+    tf.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
+                    "falcon.safetensors)")
+    tf.add_argument("--steps", type=int, default=1200)
+    tf.add_argument("--batch-tokens", type=int, default=4096, help="loss rows per optimizer step")
+    tf.add_argument("--lr", type=float, default=1e-3)
+    tf.add_argument("--k", type=int, default=2, help="tokens per block (per drafter forward)")
+    tf.add_argument("--teacher-forcing", action="store_true", help="plain teacher forcing instead of CSGD (the "
+                    "ablation)")
+    tf.add_argument("--glance", type=float, default=0.4, help="glancing ratio lambda at the first step (decays to 0)")
+    tf.add_argument("--w-dist", type=float, default=1.0, help="weight of the distillation loss (KL + CE) against "
+                    "the feature regression (the paper: 0.1)")
+    tf.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
+    tf.add_argument("--vocab-subset", type=int, default=8192,
+                    help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")
+    tf.add_argument("--text-tokens", type=int, default=0,
+                    help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added to the data")
+    tf.add_argument("--seed", type=int, default=0)
+    tf.set_defaults(func=cmd_train_falcon)
     te = tsub.add_parser("eval-glide", help="acceptance of GLIDE checkpoints (chain or CAPE) on a prompt file")
     _common(te, drafter_help=None)
     te.add_argument("--checkpoint", action="append", required=True, help="checkpoint path (repeatable)")

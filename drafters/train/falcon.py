@@ -1,0 +1,365 @@
+"""Train the Falcon drafting head for a target: ``specserve train falcon``.
+
+Pipeline (cached under ``<cache>/train/<target id>/`` like GLIDE's, so a rerun resumes):
+  1. data     the target's own answers to the training prompts (``train data``; shared with GLIDE);
+  2. teacher  one target forward per sequence stores its post-norm features f_0 .. f_{T-1} (bfloat16);
+  3. train    Coupled Sequential Glancing Distillation (below), AdamW with warmup and cosine decay, resumable;
+  4. export   fp16 safetensors + a JSON card under drafters/checkpoints/<target>/falcon.safetensors.
+
+**Rows.** Position p >= 1 of a sequence is one row with input (t_p, f_{p-1}); blocks of k positions (boundaries shifted
+by a random offset per sequence); the row at position j of its block predicts f_{j+k-1} and t_{j+k}
+(``drafters/falcon/model.py``). Only rows whose label t_{j+k} is an answer token are in the loss.
+
+**CSGD** (paper section 3.2), two passes per sequence:
+  1. Without gradient, the *true stream*: every row gets its true input (features noised with U(-0.1, 0.1)). The
+     outputs of block B are the drafter's guesses at the inputs of block B + 1: the *predicted input* of position
+     p is (t_hat_p, f_hat_{p-1}) from row p - k. This is what the drafter reads at inference for every block after
+     the first.
+  2. Glancing: the Hamming distance d between the predicted tokens t_hat_p and the target's tokens t_p, over the
+     loss rows, sets N = round(lambda * d), lambda = glance * (steps - step) / steps (0.4 in the paper). N predicted
+     inputs are replaced by the true ones, as runs from the start of randomly chosen blocks (a block's inputs, from
+     its first, are what its predictions build on).
+  3. With gradient, one forward over both streams: the true stream (rows see true rows of their own and earlier
+     blocks: the first drafted block at inference) and the *predicted stream* (a row of block B sees the true rows of
+     blocks before B and the predicted/glanced rows of block B: the second drafted block at inference, whose context
+     is verified text and whose own inputs are the drafter's guesses). Loss on both streams' loss rows:
+        L = SmoothL1(f_hat, f) + 0.1 * (0.9 * KL(p || p_draft) + 0.1 * CE(t, p_draft))
+     over the kept vocabulary, p = the target's next-token distribution softmax(LM(f)).
+No row sees its label: a block's labels are the next block's tokens, which neither stream shows it; so glanced rows
+stay in the loss (their inputs are true inputs, not their labels). ``csgd=False`` is plain teacher forcing (the
+true stream alone), the paper's ablation.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from drafters.falcon.model import FalconConfig, FalconModel, block_ids
+from drafters.train.glide import coverage, ensure_data, lr_at, vocab_by_frequency, work_dir
+
+
+@dataclass
+class FalconTrainOptions:
+    steps: int = 1200
+    batch_tokens: int = 4096       # loss rows per optimizer step (whole sequences)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_len: int = 768             # training sequences are cut to this many tokens
+    val_fraction: float = 0.05
+    save_every: int = 100
+    seed: int = 0
+    autocast: bool = True          # bfloat16 autocast for the matmuls
+    csgd: bool = True              # False: plain teacher forcing (the ablation)
+    glance: float = 0.4            # lambda at step 0, decaying linearly to 0
+    noise: float = 0.1             # U(-noise, noise) on input features
+    w_dist: float = 1.0            # L = SmoothL1 + w_dist * (alpha * KL + (1 - alpha) * CE); the paper: 0.1
+    alpha: float = 0.9
+
+
+@dataclass
+class FeatureData:
+    tokens: list[torch.Tensor]   # per sequence [T] long
+    answer_start: list[int]      # prompt_len - 1: the first position whose next token is an answer token
+    feats: list[torch.Tensor]    # per sequence [T, hidden] post-norm target features (bfloat16)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@torch.inference_mode()
+def teacher_features(target, items: list[dict], max_len: int, progress: bool = True) -> FeatureData:
+    """One target forward per sequence (prompt + answer, cut to ``max_len``): its post-norm features."""
+    from server.engine.backend import make_attention
+    from server.engine.model import Segment
+
+    model, a, dev = target.model, target.args, target.device
+    k = torch.zeros(a.num_layers, a.num_kv_heads, max_len, a.head_dim, dtype=target.dtype, device=dev)
+    v = torch.zeros_like(k)
+    out = FeatureData([], [], [])
+    for it in tqdm(items, desc="teacher pass", unit="seq", disable=not progress):
+        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
+        start = len(it["prompt_ids"]) - 1
+        if len(ids) - 1 - start < 3:
+            continue
+        tok = torch.tensor(ids, dtype=torch.long, device=dev)
+        attn = make_attention(dev, 0, len(ids), None, target.dtype, max_len)
+        h = model(tok, torch.arange(len(ids), device=dev), [Segment(0, len(ids), k, v, 0, None, attn)])
+        out.tokens.append(tok.cpu())
+        out.answer_start.append(start)
+        out.feats.append(target.final_norm(h).to("cpu", torch.bfloat16).clone())
+    return out
+
+
+def two_stream_mask(true_blocks: torch.Tensor, pred_blocks: torch.Tensor) -> torch.Tensor:
+    """[n + m, n + m] bool for the true stream's n rows then the predicted stream's m rows (each in position order):
+    a true row sees true rows of its own and earlier blocks; a predicted row of block B sees true rows of blocks
+    before B and the predicted rows of block B."""
+    n, m = len(true_blocks), len(pred_blocks)
+    mask = torch.zeros(n + m, n + m, dtype=torch.bool, device=true_blocks.device)
+    mask[:n, :n] = true_blocks[None, :] <= true_blocks[:, None]
+    mask[n:, :n] = true_blocks[None, :] < pred_blocks[:, None]
+    mask[n:, n:] = pred_blocks[None, :] == pred_blocks[:, None]
+    return mask
+
+
+def glance_rows(blocks: torch.Tensor, n_glance: int, rng: random.Random) -> torch.Tensor:
+    """Which predicted-stream rows (blocks: their block ids, in position order) get their true input back: runs from
+    the start of randomly chosen blocks, ``n_glance`` rows in all -> [m] bool."""
+    out = torch.zeros(len(blocks), dtype=torch.bool)
+    if n_glance <= 0 or not len(blocks):
+        return out
+    ids = blocks.tolist()
+    starts: dict[int, list[int]] = {}
+    for r, b in enumerate(ids):
+        starts.setdefault(b, []).append(r)
+    order = list(starts)
+    rng.shuffle(order)
+    left = n_glance
+    for b in order:
+        rows = starts[b][:left]
+        out[rows] = True
+        left -= len(rows)
+        if left <= 0:
+            break
+    return out
+
+
+def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTrainOptions, tables: dict,
+                  offset: int = 0, lam: float = 0.0, rng: random.Random | None = None, train: bool = True):
+    """Loss summed over sequence i's loss rows (both streams with CSGD) -> (loss, rows, stats)."""
+    c, dev = model.c, model.fuse.device
+    k = c.k
+    tok = data.tokens[i].to(dev)
+    feats = data.feats[i].to(dev, torch.float32)
+    T, start = len(tok), data.answer_start[i]
+    pos = torch.arange(1, T, device=dev)                 # rows: positions 1 .. T-1
+    ids, fin = tok[1:], feats[:-1]                        # (t_p, f_{p-1})
+    if train and opts.noise:
+        fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
+    blocks = block_ids(pos, k, offset)
+    # loss rows: position j with label t_{j+k} inside the sequence and in the answer
+    lab_pos = pos + k
+    loss_row = (lab_pos <= T - 1) & (lab_pos >= start + 1)
+    rows = loss_row.nonzero().squeeze(1)                  # row index = position - 1
+    if not len(rows):
+        return None
+    label_tok = tok[lab_pos[rows]]                        # t_{j+k}
+    label_feat = feats[lab_pos[rows] - 1]                 # f_{j+k-1}
+    # predicted inputs exist from position k + 1 on; evaluation measures the second block with or without CSGD
+    pred_rows = rows[rows >= k] if opts.csgd or not train else rows[:0]
+    stats = {}
+    if len(pred_rows):
+        with torch.no_grad():  # pass 1: the true stream
+            f1 = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]))
+            src = pred_rows - k                               # the rows that guessed these rows' inputs
+            guess = tables["vocab_ids"][model.logits(f1[src]).argmax(-1)]
+        true_in = ids[pred_rows]
+        wrong = guess != true_in
+        stats["hamming"] = int(wrong.sum())
+        glanced = glance_rows(blocks[pred_rows].cpu(), round(lam * stats["hamming"]), rng or random.Random(0)).to(dev)
+        p_ids = torch.where(glanced, true_in, guess)
+        p_feats = torch.where(glanced[:, None], fin[pred_rows], f1[src].float())
+        all_ids = torch.cat([ids, p_ids])
+        all_feats = torch.cat([fin, p_feats])
+        all_pos = torch.cat([pos, pos[pred_rows]])
+        mask = two_stream_mask(blocks, blocks[pred_rows])
+        out = model(all_ids, all_feats, all_pos, mask)
+        sel = torch.cat([rows, len(pos) + torch.arange(len(pred_rows), device=dev)])
+        label_tok = torch.cat([label_tok, tok[lab_pos[pred_rows]]])
+        label_feat = torch.cat([label_feat, feats[lab_pos[pred_rows] - 1]])
+    else:
+        out = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]))
+        sel = rows
+    f_hat = out[sel].float()
+    logits = model.logits(f_hat).float()
+    with torch.no_grad():
+        t_logp = F.log_softmax(label_feat @ tables["head_t"], dim=-1)
+    logp = F.log_softmax(logits, dim=-1)
+    reg = F.smooth_l1_loss(f_hat, label_feat, reduction="none").mean(-1).sum()
+    kl = (t_logp.exp() * (t_logp - logp)).sum()
+    local = tables["local"][label_tok]
+    ce = F.nll_loss(logp, local.clamp(min=0), reduction="none")[local >= 0].sum()
+    loss = reg + opts.w_dist * (opts.alpha * kl + (1 - opts.alpha) * ce)
+    with torch.no_grad():
+        agree = logits.argmax(-1) == t_logp.argmax(-1)
+        n_true = len(rows)
+        in_block = (pos[rows] + offset) % k
+        stats["agree_true"] = [(int(agree[:n_true][in_block == j].sum()), int((in_block == j).sum()))
+                               for j in range(k)]
+        stats["agree_pred"] = (int(agree[n_true:].sum()), int(len(agree) - n_true))
+    return loss, len(sel), stats
+
+
+@torch.no_grad()
+def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: FalconTrainOptions, tables: dict) -> dict:
+    """Held-out agreement with the target's top-1: per position of the first drafted block (teacher-forced inputs)
+    and for the second block (inputs the drafter guessed, no glancing)."""
+    model.eval()
+    k = model.c.k
+    tot = n = 0.0
+    hit_t, cnt_t, hit_p, cnt_p = [0] * k, [0] * k, 0, 0
+    for i in idx:
+        r = sequence_loss(model, data, i, opts, tables, train=False)
+        if r is None:
+            continue
+        loss, rows, st = r
+        tot += float(loss)
+        n += rows
+        for j, (h, c) in enumerate(st["agree_true"]):
+            hit_t[j] += h
+            cnt_t[j] += c
+        hit_p += st["agree_pred"][0]
+        cnt_p += st["agree_pred"][1]
+    model.train()
+    by_pos = [round(h / max(1, c), 4) for h, c in zip(hit_t, cnt_t)]
+    return {"loss": tot / max(1, n), "agreement": round(sum(hit_t) / max(1, sum(cnt_t)), 4),
+            "agreement_by_position": by_pos, "agreement_second_block": round(hit_p / max(1, cnt_p), 4)}
+
+
+def loss_tables(model: FalconModel) -> dict:
+    dev = model.vocab_ids.device
+    local = torch.full((model.c.vocab_size,), -1, dtype=torch.long, device=dev)
+    local[model.vocab_ids] = torch.arange(len(model.vocab_ids), device=dev)
+    return {"head_t": model.head_weight.float().t().contiguous(), "local": local, "vocab_ids": model.vocab_ids}
+
+
+def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state_path: Path | None = None,
+          progress: bool = True, log=print) -> dict:
+    """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card."""
+    rng = random.Random(opts.seed)
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
+    val_idx, train_idx = order[:n_val], order[n_val:] or order
+    tables = loss_tables(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
+                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=opts.lr, betas=(0.9, 0.95))
+    step, history = 0, []
+    if state_path is not None and Path(state_path).exists():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"], strict=False)
+        optim.load_state_dict(st["optim"])
+        step, history = st["step"], st["history"]
+        rng.setstate(st["rng"])
+        log(f"resumed from {state_path} at step {step}")
+    model.train()
+    if val_idx and step == 0:
+        first = evaluate(model, data, val_idx, opts, tables)
+        log(f"step 0: val {first}")
+        history.append({"step": 0, **first})
+    cursor: list[int] = []
+    bar = tqdm(total=opts.steps, initial=step, desc="train falcon", unit="step", disable=not progress)
+    t0 = time.perf_counter()
+    while step < opts.steps:
+        for g in optim.param_groups:
+            g["lr"] = lr_at(step, opts)
+        lam = opts.glance * (opts.steps - step) / opts.steps
+        n_rows, loss_sum, ham = 0, 0.0, 0
+        while n_rows < opts.batch_tokens:
+            if not cursor:
+                cursor = list(train_idx)
+                rng.shuffle(cursor)
+            i = cursor.pop()
+            with torch.autocast(model.fuse.device.type, dtype=torch.bfloat16, enabled=opts.autocast):
+                r = sequence_loss(model, data, i, opts, tables, offset=rng.randrange(model.c.k), lam=lam, rng=rng)
+            if r is None:
+                continue
+            loss, rows, st = r
+            (loss / opts.batch_tokens).backward()
+            n_rows += rows
+            loss_sum += float(loss.detach())
+            ham += st.get("hamming", 0)
+        torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum / n_rows:.4f}", lam=f"{lam:.2f}", ham=ham)
+        if step % opts.save_every == 0 or step == opts.steps:
+            ev = evaluate(model, data, val_idx, opts, tables) if val_idx else {}
+            history.append({"step": step, "train_loss": loss_sum / n_rows, **ev})
+            if ev:
+                log(f"step {step}: train loss {loss_sum / n_rows:.4f} val {ev}")
+            if state_path is not None:
+                tmp = Path(state_path).with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                            "history": history, "rng": rng.getstate()}, tmp)
+                tmp.replace(state_path)
+    bar.close()
+    return {"steps": step, "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
+            "train_sequences": len(train_idx), "val_sequences": len(val_idx)}
+
+
+def build_model(target, vocab_ids: torch.Tensor, k: int = 2) -> FalconModel:
+    """A fresh head for ``target`` (random matrices, norms from the target's), float32."""
+    model = FalconModel(FalconConfig.for_target(target.args, target.model_id, k=k, vocab_subset=len(vocab_ids)))
+    model.vocab_ids = vocab_ids.clone()
+    model.init_from_target(target.model)
+    model = model.to(target.device)
+    return model.attach(target.embed_weight.float(), target.lm_head_weight.float())
+
+
+def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None,
+                     opts: FalconTrainOptions | None = None, k: int = 2, vocab_subset: int = 8192,
+                     max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None, text_tokens: int = 0,
+                     progress: bool = True, log=print) -> Path:
+    """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path."""
+    from drafters.falcon.model import default_checkpoint
+    from server.engine.engine import load_target
+    from server.engine.weights import load_tokenizer
+    from server.tokenization import stop_token_ids
+
+    opts = opts or FalconTrainOptions()
+    torch.manual_seed(opts.seed)
+    target = load_target(cfg, progress=progress)
+    out = Path(out) if out else default_checkpoint(target.model_id)
+    data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
+    tokenizer = load_tokenizer(target.hf_dir)
+    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
+    vocab_ids = vocab_by_frequency(items, target.args.vocab_size, vocab_subset, stops)
+    log(f"{len(items)} sequences, {sum(len(i['response_ids']) for i in items)} answer tokens; kept vocabulary "
+        f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
+    text_items = []
+    if text_tokens:
+        from drafters.train.text import shipped_text_items
+        text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
+        log(f"+ {len(text_items)} sequences of shipped text")
+    model = build_model(target, vocab_ids, k)
+    wd = work_dir(cfg, target.model_id)
+    wd.mkdir(parents=True, exist_ok=True)
+    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}"
+    feat_file = wd / f"features-{tag}.pt"
+    if feat_file.exists():
+        data = FeatureData(**torch.load(feat_file, weights_only=True))
+    else:
+        t0 = time.perf_counter()
+        data = teacher_features(target, items + text_items, opts.max_len, progress=progress)
+        torch.save(data.__dict__, feat_file)
+        log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
+    recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
+              f"{len(vocab_ids)}-w{opts.w_dist:g}-r")
+    summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log)
+    card = {
+        "target": target.model_id, "drafter": "falcon",
+        "architecture": {key: v for key, v in model.c.__dict__.items() if key != "extra"},
+        "data": {"file": data_file.name, "sequences": len(items),
+                 "answer_tokens": sum(len(i["response_ids"]) for i in items),
+                 "shipped_text_sequences": len(text_items)},
+        "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"}},
+        "validation": summary["history"][-1] if summary["history"] else {},
+        "history": summary["history"],
+    }
+    model.save(out, card)
+    log(f"wrote {out} and {out.with_suffix('.json')}")
+    return out
