@@ -72,6 +72,10 @@ CASES: dict[str, Case] = {
     "maxgram": Case({"bigram": "{bigram}", "num_tokens": 4}, SamplingParams(temperature=0.9, top_k=10, top_p=0.95)),
     "cascade": Case({"checkpoint": "{glide}", "bigram": "{bigram}", "k": [[2, 4], [4]], "max_rows": 12},
                     SamplingParams(temperature=0.7, top_k=8, top_p=0.9), ("siblings",)),
+    # Falcon's tree: independent draws under every node (two per position of a block), a second block under the
+    # likeliest leaf
+    "falcon": Case({"checkpoint": "{falcon}", "top_m": [2, 2], "forwards": 2, "max_rows": 12},
+                   SamplingParams(temperature=0.6, top_k=6), ("q", "siblings")),
 }
 
 
@@ -130,9 +134,10 @@ def _config(tiny_dir, drafter: dict | None = None, slots: int = 1):
 
 @pytest.fixture(scope="module")
 def weight_files(target, tmp_path_factory) -> dict[str, str]:
-    """A randomly initialised GLIDE checkpoint and a random bigram table for the tiny target, saved where the drafters
-    load them from (their `checkpoint` / `bigram` options)."""
+    """A randomly initialised GLIDE checkpoint, Falcon head and bigram table for the tiny target, saved where the
+    drafters load them from (their `checkpoint` / `bigram` options)."""
     from drafters.cascade.maxgram import save_bigram
+    from drafters.falcon.model import FalconConfig, FalconModel
     from drafters.glide.model import GlideConfig, GlideModel
 
     d = tmp_path_factory.mktemp("random-drafters")
@@ -145,7 +150,15 @@ def weight_files(target, tmp_path_factory) -> dict[str, str]:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     glide.save(d / "glide.safetensors", {"note": "random weights, for tests"}, dtype=torch.float32)
     save_bigram(d / "bigram.safetensors", torch.randint(0, V, (V,), generator=gen), target.model_id)
-    return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors")}
+    falcon = FalconModel(FalconConfig.for_target(target.args, target.model_id, vocab_subset=GLIDE_VOCAB))
+    falcon.vocab_ids = torch.randperm(V, generator=gen)[:GLIDE_VOCAB]
+    with torch.no_grad():
+        for p in falcon.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    falcon.save(d / "falcon.safetensors", {"note": "random weights, for tests"}, dtype=torch.float32)
+    return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors"),
+            "falcon": str(d / "falcon.safetensors")}
 
 
 def make_engine(tiny_dir, target, weight_files, name: str, slots: int = 1) -> Engine:
@@ -322,7 +335,7 @@ def test_negative_control_bonus_from_p_instead_of_the_residual_is_caught(tiny_di
     assert pvalue < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glide-cape", "cascade"])  # GLIDE's race-ordered chain and CAPE siblings; Max-Gram's
+@pytest.mark.parametrize("name", ["glide-cape", "cascade", "falcon"])  # race-ordered candidates and siblings
 def test_seeded_sampling_through_the_drafter_matches_the_target(name, tiny_dir, target, weight_files,
                                                                 reference_logits, monkeypatch):
     """Seeded requests: the target's draws by the race, drafts accepted where they equal them."""
@@ -351,7 +364,7 @@ def test_negative_control_seeded_clocks_reused_across_positions_are_caught(tiny_
     assert chi2_pvalue(counts, reference_joint(reference_logits, sp)) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glide-cape", "cascade"])  # q rows and sibling trees; Max-Gram branches
+@pytest.mark.parametrize("name", ["glide-cape", "cascade", "falcon"])  # q rows and sibling trees
 def test_sampling_in_a_batch_matches_the_target(name, tiny_dir, target, weight_files, reference_logits, monkeypatch):
     """Sequences stepped together, with different trees in one forward, still sample the target's distribution."""
     case = CASES[name]
