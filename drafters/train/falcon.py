@@ -166,6 +166,7 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         wrong = guess != true_in
         stats["hamming"] = int(wrong.sum())
         glanced = glance_rows(blocks[pred_rows].cpu(), round(lam * stats["hamming"]), rng or random.Random(0)).to(dev)
+        stats["glanced"] = int(glanced.sum())
         p_ids = torch.where(glanced, true_in, guess)
         p_feats = torch.where(glanced[:, None], fin[pred_rows], f1[src].float())
         all_ids = torch.cat([ids, p_ids])

@@ -1,0 +1,66 @@
+"""Falcon training (CSGD): the two streams' mask shows a guessed block verified context only, glancing swaps runs from
+block starts, and a few real training steps on the default model's features lower the loss and reload."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from drafters.falcon.model import FalconModel, relaxed_mask
+from drafters.train.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, sequence_loss,
+                                   teacher_features, train, two_stream_mask)
+
+
+def test_two_stream_mask_shows_a_guessed_block_verified_context_only():
+    true_b = torch.tensor([0, 0, 1, 1, 2, 2])
+    pred_b = torch.tensor([1, 1, 2, 2])
+    m = two_stream_mask(true_b, pred_b).int()
+    assert torch.equal(m[:6, :6], relaxed_mask(true_b).int()) and not m[:6, 6:].any()
+    assert m[6:, :6].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert m[6:, 6:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+def test_glancing_replaces_runs_from_block_starts():
+    blocks = torch.tensor([1, 1, 2, 2, 3, 3, 4, 4])
+    for n in range(0, 9):
+        g = glance_rows(blocks, n, random.Random(n))
+        assert int(g.sum()) == n
+        for b in blocks.unique():
+            assert g[blocks == b].tolist() in ([False, False], [True, False], [True, True])  # a run from the start
+    assert not glance_rows(blocks, 0, random.Random(0)).any()
+
+
+def _features(target32):
+    tok = [[1, 2, 3] + list(range(100 + i, 140 + i)) for i in range(6)]
+    items = [{"prompt_ids": t[:3], "response_ids": t[3:]} for t in tok]
+    return teacher_features(target32, items, max_len=64, progress=False)
+
+
+def test_glancing_swaps_lambda_times_the_hamming_distance(target32):
+    """N = round(lambda * d) guessed inputs go back to the true ones: none at lambda 0, and the loss changes with it."""
+    from drafters.train.falcon import loss_tables
+
+    data = _features(target32)
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    tables = loss_tables(model)
+    opts = FalconTrainOptions(noise=0.0, autocast=False)
+    with torch.no_grad():
+        loss0, rows0, st0 = sequence_loss(model, data, 0, opts, tables, lam=0.0)
+        loss1, rows1, st1 = sequence_loss(model, data, 0, opts, tables, lam=0.5)
+    assert st0["hamming"] > 0 and st0["glanced"] == 0 and rows0 == rows1
+    assert st1["glanced"] == round(0.5 * st1["hamming"]) > 0 and float(loss1) != float(loss0)
+
+
+def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
+    data = _features(target32)
+    assert isinstance(data, FeatureData) and len(data) == 6 and data.feats[0].shape == (43, target32.args.hidden_size)
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    opts = FalconTrainOptions(steps=12, batch_tokens=128, warmup=2, save_every=12, val_fraction=0.2, autocast=False)
+    summary = train(model, data, opts, tmp_path / "state.pt", progress=False, log=lambda *a: None)
+    assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
+    assert (tmp_path / "state.pt").exists()
+    model.save(tmp_path / "falcon.safetensors", {"note": "test"})
+    again = FalconModel.load(tmp_path / "falcon.safetensors")
+    assert torch.equal(again.vocab_ids, model.vocab_ids) and again.c == model.c
