@@ -42,7 +42,7 @@ def test_plain_seeded_decoding_is_reproducible_and_depends_on_the_seed(fp32_conf
 
 
 @pytest.mark.parametrize("name,options", [("ngram", {"num_tokens": 6}), ("glide", {}), ("glide-cape", {}),
-                                          ("cascade", {})])
+                                          ("cascade", {}), ("falcon", {})])
 def test_every_drafter_samples_what_plain_decoding_samples(fp32_config, target32, prompts, stops, plain, name,
                                                            options):
     engine = Engine(fp32_config, create_drafter(name, target32, options), target32)
