@@ -2,13 +2,13 @@
 
 For each registered drafter but `none`, an Engine on the tiny random target (float32, CPU) runs the drafter the
 registry builds from a config -- its own prefill / propose / observe code -- with randomly initialised weights where
-it has a model: a random GLIDE network (also the cascade's reviewer) over a random subset of the vocabulary, and a
-random Max-Gram bigram table. Each case samples K tokens after a prompt from many independent requests at temperature
-> 0, some with top-k / top-p. The drafter's quality does not matter; its code path does. Requests without a seed go
-through speculative sampling's rejection rule (each request's random state fixed by seeding torch's global generator
-before it, so a run is reproducible); requests with a seed go through the race keyed on (seed, position) that makes
-them token-exact (``core.sampling``), tested here for their distribution, and with a control that reuses one
-position's clocks at every position.
+it has a model: a random GLIDE network (also the cascade's reviewer) and a random Falcon head, each over a random
+subset of the vocabulary, and a random Max-Gram bigram table. Each case samples K tokens after a prompt from many
+independent requests at temperature > 0, some with top-k / top-p. The drafter's quality does not matter; its code
+path does. Requests without a seed go through speculative sampling's rejection rule (each request's random state
+fixed by seeding torch's global generator before it, so a run is reproducible); requests with a seed go through the
+race keyed on (seed, position) that makes them token-exact (``core.sampling``), tested here for their distribution,
+and with a control that reuses one position's clocks at every position.
 
 The reference is computed without the code under test: transformers' own LlamaForCausalLM forward on the same saved
 weights (float64), this file's own temperature -> top-k -> top-p (vLLM's order, from the definitions), and every one
@@ -19,7 +19,7 @@ proposed and accepted, also at depth 2, and, where the drafter makes them, that 
 distributions q and sibling branches and that a non-first sibling was accepted. Negative controls (power): with
 acceptance broken to take the first child all the way down, the same check fails for every drafter; and the subtler
 classic bug (a rejection leaves p as it was: later siblings and the bonus see p, not the residual) fails it too,
-through glide-cape, whose trees hold both q rows and point-mass siblings. In batches (glide-cape, cascade), 8
+through glide-cape, whose trees hold both q rows and point-mass siblings. In batches (glide-cape, cascade, falcon), 8
 requests with different trees share every target forward and still sample the target's distribution, and the
 residual bug is caught there too.
 """
@@ -193,9 +193,14 @@ class Coverage:
         self.later_sibling_accepts += sum(children[tree.parents[r]][0] != r for r in rows[1:])
 
 
+# The order that gives each case its seeds: a new case goes at the end, so the others keep the seeds they were checked
+# with.
+SEED_ORDER = ("cascade", "glide", "glide-cape", "maxgram", "ngram", "falcon")
+
+
 def seed_base(name: str, control: int = 0) -> int:
     """Each case and control its own request seeds (cases sharing seeds would share their draws)."""
-    return 1 + 10 * sorted(CASES).index(name) + 3 * control
+    return 1 + 10 * SEED_ORDER.index(name) + 3 * control
 
 
 def request(engine: Engine, sp: SamplingParams, seed: int, seeded: bool):
@@ -392,3 +397,4 @@ def test_every_registered_drafter_has_a_case():
     missing = sorted(set(drafter_names()) - {"none"} - set(CASES))
     assert not missing, f"drafters without a sampled-exactness case in {Path(__file__).name}: {missing}"
     assert set(CASES) <= set(drafter_names()), "a case for a drafter that is no longer registered"
+    assert sorted(SEED_ORDER) == sorted(CASES), "each case needs its place in SEED_ORDER (new ones at the end)"
