@@ -76,7 +76,7 @@ class FalconDrafter:
     name = "falcon"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple = (3, 2),
-                 forwards: int = 2, width: int = 1, max_rows: int = 16):
+                 forwards: int = 1, width: int = 1, max_rows: int = 10):
         self.model = load_falcon(target, checkpoint)
         self.c = self.model.c
         if len(top_m) != self.c.k or any(int(m) < 1 for m in top_m):
