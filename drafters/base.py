@@ -75,6 +75,7 @@ _REGISTRY: dict[str, str] = {
     "ngram": "drafters.ngram:NgramDrafter",
     "glide": "drafters.glide.drafter:GlideDrafter",
     "glide-cape": "drafters.glide.drafter:GlideCapeDrafter",
+    "glide-adaptive": "drafters.glide.drafter:GlideAdaptiveDrafter",
     "maxgram": "drafters.cascade.maxgram:MaxGramDrafter",
     "cascade": "drafters.cascade.drafter:CascadeDrafter",
     "falcon": "drafters.falcon.drafter:FalconDrafter",

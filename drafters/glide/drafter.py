@@ -21,6 +21,7 @@ import torch
 
 from core.sampling import race, request_generator, target_probs, token_clocks
 from core.tree import DraftTree, VerifyResult
+from drafters.adaptive import AcceptHead, AdaptiveStop, load_accept_head
 from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
 from drafters.glide.model import GlideCheckpointError, GlideModel, causal_visibility, check_fits, default_checkpoint
@@ -135,6 +136,7 @@ class GlideDrafter:
         st = self._state(seq, len(tokens) + self.gamma + 1)
         h = self._forward(seq, st, self._catch_up(seq, st, tokens))  # the root
         greedy, seed = seq.sampling.greedy, seq.sampling.seed
+        stop = self._new_stop()
         chain, alts, confs, qs = [], [], [], []  # qs: the chain's q rows for unseeded sampling (seeded: point masses)
         for i in range(self.gamma):
             logits = self.model.logits(h).float()  # [1, V_kept]
@@ -163,11 +165,20 @@ class GlideDrafter:
             alts.append(self.vocab_ids[alt_local].tolist() if self.cape else [])
             if i + 1 < self.gamma:
                 h = self._forward(seq, st, [chain[-1]])
+                if stop is not None and not stop.more(self._accept_prob(h, seq, i + 1, conf)):
+                    break
         chain_q = torch.stack(qs) if qs else None
         if not self.cape:
             return DraftTree.chain(tokens[-1], chain, None if chain_q is None else
                                    torch.cat([chain_q.new_zeros(1, chain_q.shape[1]), chain_q]))
         return cape_tree(tokens[-1], chain, alts, confs, self.bins, self.max_rows, chain_q)
+
+    def _new_stop(self) -> AdaptiveStop | None:
+        """A fixed-length chain drafts ``gamma`` tokens; the adaptive drafter overrides this."""
+        return None
+
+    def _accept_prob(self, h: torch.Tensor, seq: SequenceView, depth: int, q_token: float) -> float:
+        raise NotImplementedError
 
     @torch.inference_mode()
     def review(self, seq: SequenceView, draft: list[int]) -> torch.Tensor:
@@ -201,3 +212,28 @@ class GlideCapeDrafter(GlideDrafter):
     def __init__(self, target: TargetView, checkpoint: str | None = None, gamma: int = 5, cape: bool = True,
                  bins: list | tuple = PAPER_BINS, max_rows: int = 32):
         super().__init__(target, checkpoint, gamma, cape, bins, max_rows)
+
+
+class GlideAdaptiveDrafter(GlideDrafter):
+    """`glide-adaptive`: the GLIDE chain, stopped per step by the acceptance head (drafters/adaptive.py) once the
+    chance of a rejection passes ``threshold``, at most ``max_gamma`` tokens. ``cape: true`` adds CAPE's
+    alternatives to the chain it keeps."""
+
+    name = "glide-adaptive"
+
+    def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
+                 threshold: float = 0.5, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
+                 max_rows: int = 32):
+        super().__init__(target, checkpoint, max_gamma, cape, bins, max_rows)
+        AdaptiveStop(threshold)  # validates it
+        self.threshold = threshold
+        self.head: AcceptHead = load_accept_head(target, "glide", self.c.target_hidden, accept_head)
+
+    def _new_stop(self) -> AdaptiveStop:
+        return AdaptiveStop(self.threshold)
+
+    def _accept_prob(self, h: torch.Tensor, seq: SequenceView, depth: int, q_token: float) -> float:
+        sp = seq.sampling
+        extra = AcceptHead.extra(torch.tensor([0.0 if sp.greedy else sp.temperature]), torch.tensor([depth]),
+                                 torch.tensor([q_token])).to(h.device)
+        return float(torch.sigmoid(self.head(h, extra))[0])

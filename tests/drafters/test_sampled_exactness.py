@@ -76,6 +76,9 @@ CASES: dict[str, Case] = {
     # likeliest leaf
     "falcon": Case({"checkpoint": "{falcon}", "top_m": [2, 2], "forwards": 2, "max_rows": 12},
                    SamplingParams(temperature=0.6, top_k=6), ("q", "siblings")),
+    # the GLIDE chain cut by a random acceptance head: draft lengths vary from step to step with the context
+    "glide-adaptive": Case({"checkpoint": "{glide}", "accept_head": "{accept}", "threshold": 0.5, "max_gamma": 3},
+                           SamplingParams(temperature=0.6, top_p=0.8), ("q", "lengths")),
 }
 
 
@@ -136,6 +139,7 @@ def _config(tiny_dir, drafter: dict | None = None, slots: int = 1):
 def weight_files(target, tmp_path_factory) -> dict[str, str]:
     """A randomly initialised GLIDE checkpoint, Falcon head and bigram table for the tiny target, saved where the
     drafters load them from (their `checkpoint` / `bigram` options)."""
+    from drafters.adaptive import AcceptHead, AcceptHeadConfig
     from drafters.cascade.maxgram import save_bigram
     from drafters.falcon.model import FalconConfig, FalconModel
     from drafters.glide.model import GlideConfig, GlideModel
@@ -157,8 +161,12 @@ def weight_files(target, tmp_path_factory) -> dict[str, str]:
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     falcon.save(d / "falcon.safetensors", {"note": "random weights, for tests"}, dtype=torch.float32)
+    head = AcceptHead(AcceptHeadConfig(target.model_id, "glide", target.args.hidden_size))
+    with torch.no_grad():  # P(accept) spread around the threshold, so the chain's length depends on the context
+        head.out.weight.copy_(torch.randn(head.out.weight.shape, generator=gen))
+    head.save(d / "accept-glide.safetensors")
     return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors"),
-            "falcon": str(d / "falcon.safetensors")}
+            "falcon": str(d / "falcon.safetensors"), "accept": str(d / "accept-glide.safetensors")}
 
 
 def make_engine(tiny_dir, target, weight_files, name: str, slots: int = 1) -> Engine:
@@ -180,11 +188,13 @@ class Coverage:
     q_rows: int = 0            # draft rows handed over with a draft distribution
     sibling_trees: int = 0     # trees where some node has more than one child
     later_sibling_accepts: int = 0  # accepted rows that were not their parent's first child
+    draft_lengths: set = dataclasses.field(default_factory=set)  # the tree sizes proposed (draft rows)
 
     def record(self, tree, rows: list[int]) -> None:
         children = tree.children()
         self.steps += 1
         self.draft_rows += tree.num_draft
+        self.draft_lengths.add(tree.num_draft)
         self.accepted += len(rows) - 1
         self.deep_accepts += len(rows) >= 3
         if tree.q is not None:
@@ -195,7 +205,7 @@ class Coverage:
 
 # The order that gives each case its seeds: a new case goes at the end, so the others keep the seeds they were checked
 # with.
-SEED_ORDER = ("cascade", "glide", "glide-cape", "maxgram", "ngram", "falcon")
+SEED_ORDER = ("cascade", "glide", "glide-cape", "maxgram", "ngram", "falcon", "glide-adaptive")
 
 
 def seed_base(name: str, control: int = 0) -> int:
@@ -305,6 +315,8 @@ def test_sampling_through_the_drafter_matches_the_target(name, tiny_dir, target,
         assert cov.q_rows >= cov.steps, cov
     if "siblings" in case.expects:  # trees branch, and acceptance goes past a rejected first child
         assert cov.sibling_trees >= cov.steps // 2 and cov.later_sibling_accepts >= N // 100, cov
+    if "lengths" in case.expects:  # the draft length varies from step to step
+        assert len(cov.draft_lengths) >= 2, cov
     assert pvalue > 1e-3, f"{name}: sampled continuations do not follow the target's distribution (p = {pvalue:.3g})"
 
 

@@ -1,0 +1,128 @@
+"""Adaptive draft length (SpecDec++, Huang et al. 2024): an acceptance head that tells a chain drafter when to stop.
+
+At each drafted token Y_i the head reads the drafter's last hidden state after it consumed Y_i (the forward that also
+gives the next draft distribution) and predicts P_i = P(Y_i accepted | Y_1..Y_{i-1} accepted). The drafter stops once
+the chance of at least one rejection, 1 - prod(P_1..P_i), exceeds the threshold h (the paper's Theorem 3.1 shows the
+optimal stopping policy has this form), or at its cap. The threshold is a per-deployment value measured on the machine:
+where a verify row is cheap against a drafter forward it pays to draft on at lower odds, and the other way round.
+
+Inputs besides the hidden state (all known when the drafter decides): the request's temperature (0 for greedy; the
+acceptance rule differs), the depth i (the drafter's view of the target's KV lags i tokens behind), and the drafter's
+own probability of Y_i. The head: ``num_blocks`` residual blocks x + SiLU(Linear(x)), each with its own weights, then
+Linear(width -> 1), a logit. ``hidden_only`` drops the extra inputs (the paper's head; kept for the ablation).
+
+:class:`AdaptiveStop` is the stopping rule; the chain drafters (GLIDE, Falcon's chain) call it once per drafted token.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoints"
+NUM_EXTRA = 3  # temperature, depth / 8, log q(Y)
+
+
+class AcceptHeadError(RuntimeError):
+    """An acceptance head checkpoint is missing or does not fit the drafter."""
+
+
+@dataclass
+class AcceptHeadConfig:
+    target_id: str
+    drafter: str          # the drafter whose hidden states it reads ("glide", "falcon")
+    hidden_size: int
+    num_blocks: int = 3
+    hidden_only: bool = False
+
+
+class AcceptHead(nn.Module):
+    def __init__(self, c: AcceptHeadConfig):
+        super().__init__()
+        self.c = c
+        width = c.hidden_size + (0 if c.hidden_only else NUM_EXTRA)
+        self.norm = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(c.num_blocks))
+        self.out = nn.Linear(width, 1)
+        for b in self.blocks:  # residual blocks start near the identity
+            nn.init.normal_(b.weight, std=0.01)
+            nn.init.zeros_(b.bias)
+
+    @staticmethod
+    def extra(temperature: torch.Tensor, depth: torch.Tensor, q_token: torch.Tensor) -> torch.Tensor:
+        """The inputs besides the hidden state, [N, NUM_EXTRA] float32."""
+        return torch.stack([temperature.float(), depth.float() / 8.0,
+                            torch.log(q_token.float().clamp(min=1e-6))], dim=-1)
+
+    def forward(self, hidden: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H], extra [N, NUM_EXTRA] -> acceptance logits [N]."""
+        x = hidden.float() if self.c.hidden_only else torch.cat([hidden.float(), extra.float()], dim=-1)
+        x = self.norm(x)
+        for b in self.blocks:
+            x = x + F.silu(b(x))
+        return self.out(x)[:, 0]
+
+    def save(self, path: Path, card: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.float().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path), metadata={"accept_head_config": json.dumps(asdict(self.c))})
+        if card is not None:
+            path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "AcceptHead":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise AcceptHeadError(f"no acceptance head at {path}")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if "accept_head_config" not in meta:
+            raise AcceptHeadError(f"{path} is not an acceptance head (no accept_head_config metadata)")
+        head = cls(AcceptHeadConfig(**json.loads(meta["accept_head_config"])))
+        head.load_state_dict(load_file(str(path)))
+        return head.eval().requires_grad_(False)
+
+
+def default_checkpoint(target_id: str, drafter: str) -> Path:
+    return CHECKPOINT_DIR / target_id / f"accept-{drafter}.safetensors"
+
+
+def load_accept_head(target, drafter: str, hidden_size: int, checkpoint: str | Path | None = None) -> AcceptHead:
+    """The head for this target and drafter (default: drafters/checkpoints/<target>/accept-<drafter>.safetensors)."""
+    path = Path(checkpoint) if checkpoint else default_checkpoint(target.model_id, drafter)
+    if not path.is_file():
+        raise AcceptHeadError(
+            f"no acceptance head for drafter {drafter!r} of target {target.model_id!r} at {path}; train one with "
+            f"`specserve train accept-head --drafter {drafter}` or set the drafter's `accept_head` option")
+    head = AcceptHead.load(path)
+    c = head.c
+    if (c.target_id, c.drafter, c.hidden_size) != (target.model_id, drafter, hidden_size):
+        raise AcceptHeadError(f"{path} was trained for drafter {c.drafter!r} of target {c.target_id!r} (hidden "
+                              f"{c.hidden_size}), not {drafter!r} of {target.model_id!r} (hidden {hidden_size})")
+    return head.to(target.device)
+
+
+class AdaptiveStop:
+    """The stopping rule for one round of drafting: after each drafted token, ``more(P_i)`` says whether to draft
+    another; stop once 1 - prod(P) > threshold."""
+
+    def __init__(self, threshold: float):
+        if not 0.0 < threshold < 1.0:
+            raise ValueError("adaptive drafting: threshold must be in (0, 1)")
+        self.log_threshold = math.log1p(-threshold)  # draft on while log prod(P) >= log(1 - h)
+        self.log_prod = 0.0
+
+    def more(self, p_accept: float) -> bool:
+        self.log_prod += math.log(max(p_accept, 1e-12))
+        return self.log_prod >= self.log_threshold

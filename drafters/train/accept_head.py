@@ -1,0 +1,266 @@
+"""Train an acceptance head (drafters/adaptive.py) for a chain drafter: ``specserve train accept-head``.
+
+Pipeline (cached under ``<cache>/train/<target id>/`` like the drafters' own training):
+  1. data     the target's own answers (``train data``), and GLIDE's teacher pass (the target's K/V of the layers the
+              drafter reads, its final-normed states at the answer positions);
+  2. examples the drafter drafts at every answer position and depth, as it would at inference (below), and each drafted
+              token gets its label: 1[Y = argmax p] for greedy requests, min(1, p(Y) / q(Y)) (the chance our acceptance
+              rule keeps it) for sampled ones, p and q under the request's temperature;
+  3. train    weighted BCE, the rejections weighted ``reject_weight`` (the paper's w), AdamW;
+  4. export   safetensors + a JSON card (data, recipe, held-out AUC and calibration).
+
+**Drafting as at inference, conditioned on acceptance.** The head predicts P(Y_d accepted | Y_1..Y_{d-1} accepted):
+given acceptance, the tokens before Y_d are the verified text itself. So for depth d, root s and Y_d at position p =
+s + d, the drafter's row sees its own rows of the true text before p and itself, and the target's K/V before s (what
+verification had cached when the round began). One forward per depth does every position at once with two streams:
+the true text (whose rows, seeing target keys before r - d, give the distribution of Y_{d+1} at r + 1) and the drafted
+rows (input Y_d, a mask that shows each the true rows before it). This is exact for a one-layer drafter (its K/V do
+not depend on what the target keys each row saw), where the paper's token mixing (feeding drafted tokens in place of
+15% of the true ones in one causal pass) only approximates the condition.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from core.sampling import SamplingParams, target_probs
+from drafters.adaptive import AcceptHead, AcceptHeadConfig, default_checkpoint
+from drafters.train.glide import TeacherData, ensure_data, teacher_pass, work_dir
+
+
+@dataclass
+class AcceptTrainOptions:
+    max_depth: int = 8              # drafted depths 1..max_depth
+    temperatures: tuple = (0.6, 0.8, 1.0)  # a sampled stream per sequence, at one of these (plus the greedy one)
+    keep: float = 0.25              # share of drafted rows kept as examples (all are computed)
+    num_blocks: int = 3
+    hidden_only: bool = False
+    reject_weight: float = 3.0
+    steps: int = 3000
+    batch: int = 2048
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    max_len: int = 768
+    val_fraction: float = 0.05
+    seed: int = 0
+
+
+@dataclass
+class Examples:
+    hidden: torch.Tensor   # [N, H] bfloat16
+    extra: torch.Tensor    # [N, NUM_EXTRA] float32
+    label: torch.Tensor    # [N] float32 in [0, 1]
+    greedy: torch.Tensor   # [N] bool
+    depth: torch.Tensor    # [N] int
+    seq: torch.Tensor      # [N] int: the sequence it came from (held-out split by sequence)
+
+
+def two_stream_mask(T: int, draft_pos: torch.Tensor) -> torch.Tensor:
+    """Self-attention mask [T + n, T + n]: the true rows 0..T-1 causal; drafted row j (at position draft_pos[j]) sees
+    the true rows before its position and itself."""
+    n = len(draft_pos)
+    m = torch.zeros(T + n, T + n, dtype=torch.bool)
+    m[:T, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+    m[T:, :T] = torch.arange(T)[None, :] < draft_pos[:, None]
+    m[T + torch.arange(n), T + torch.arange(n)] = True
+    return m
+
+
+def two_stream(model, ids: torch.Tensor, target_kv, d: int, draft_pos: torch.Tensor,
+               draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter forward over the true text ``ids`` [T] and drafted tokens ``draft_ids`` at ``draft_pos``, each
+    drafted at depth ``d``: -> (hidden of the true rows [T, H], whose row r saw the target keys before r - d, so its
+    next-token distribution is that of a token drafted at depth d + 1; hidden of the drafted rows [n, H], each as the
+    drafter computes it at inference after the d - 1 tokens before it were accepted)."""
+    T = len(ids)
+    pos = torch.arange(T, device=ids.device)
+    all_pos = torch.cat([pos, draft_pos])
+    vis = pos[None, :] < (all_pos - d)[:, None]  # target keys: true row r sees < r - d, drafted row at p sees < p - d
+    mask = two_stream_mask(T, draft_pos.cpu()).to(ids.device)
+    h = model(torch.cat([ids, draft_ids]), all_pos, None, 0, target_kv, vis, self_visible=mask)
+    return h[:T], h[T:]
+
+
+@torch.inference_mode()
+def draft_examples(model, data: TeacherData, opts: AcceptTrainOptions, lm_head: torch.Tensor,
+                   progress: bool = True) -> Examples:
+    """Every sequence, every depth: the drafted rows' hidden states, the head's other inputs and the labels."""
+    dev = model.norm.device
+    g = torch.Generator().manual_seed(opts.seed)
+    rng = random.Random(opts.seed)
+    out: dict[str, list] = {k: [] for k in Examples.__dataclass_fields__}
+    vocab_ids = model.vocab_ids.to(dev)
+    for i in tqdm(range(len(data)), desc="drafting examples", unit="seq", disable=not progress):
+        ids = data.tokens[i].to(dev)
+        T, start = len(ids), data.answer_start[i]
+        kv = data.kv[i].to(dev, model.norm.dtype)
+        target_kv = [(kv[m, 0], kv[m, 1]) for m in range(model.c.num_layers)]
+        t_logits = data.hidden[i].to(dev, torch.float32) @ lm_head.t()  # [n, V] the target at rows start..T-2
+        t_greedy = t_logits.argmax(-1)
+        sp = SamplingParams(temperature=rng.choice(opts.temperatures))
+        p_sampled = target_probs(t_logits, sp)                           # [n, V]
+        pos = torch.arange(T, device=dev)
+        # depth 0: the true stream with the usual visibility gives the distribution of Y_1 at every row
+        h = model(ids, pos, None, 0, target_kv, pos[:, None] > pos[None, :])
+        q_logits = model.logits(h[start:T - 1]).float()                  # row r -> Y at r + 1, r = start..T-2
+        for d in range(1, opts.max_depth + 1):
+            first = start + d - 1  # the first row r whose root r + 1 - d is an answer-side position (>= start)
+            if first > T - 2:
+                break
+            rows = torch.arange(first, T - 1, device=dev)
+            ql = q_logits[rows - start]
+            q_greedy = torch.softmax(ql, -1)
+            y_greedy = q_greedy.argmax(-1)
+            q_s = target_probs(ql, sp)
+            y_s = torch.multinomial(q_s, 1, generator=g.manual_seed(opts.seed * 1000003 + i * 97 + d))[:, 0] \
+                if dev.type == "cpu" else torch.multinomial(q_s, 1)[:, 0]
+            h, hd = two_stream(model, ids, target_kv, d, torch.cat([rows + 1, rows + 1]),
+                               torch.cat([vocab_ids[y_greedy], vocab_ids[y_s]]))
+            n = len(rows)
+            tr = rows - start  # the target's rows for the drafted positions
+            lab_g = (vocab_ids[y_greedy] == t_greedy[tr]).float()
+            tok_s = vocab_ids[y_s]
+            lab_s = (p_sampled[tr, tok_s] / q_s.gather(1, y_s[:, None])[:, 0]).clamp(max=1.0)
+            conf = torch.cat([q_greedy.gather(1, y_greedy[:, None])[:, 0], q_s.gather(1, y_s[:, None])[:, 0]])
+            temp = torch.cat([torch.zeros(n, device=dev), torch.full((n,), sp.temperature, device=dev)])
+            keep = torch.rand(2 * n, generator=g) < opts.keep
+            keep_dev = keep.to(dev)
+            out["hidden"].append(hd[keep_dev].to("cpu", torch.bfloat16))
+            out["extra"].append(AcceptHead.extra(temp, torch.full((2 * n,), d, device=dev), conf)[keep_dev].cpu())
+            out["label"].append(torch.cat([lab_g, lab_s])[keep_dev].cpu())
+            out["greedy"].append(torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[keep])
+            out["depth"].append(torch.full((int(keep.sum()),), d))
+            out["seq"].append(torch.full((int(keep.sum()),), i))
+            if d < opts.max_depth:
+                q_logits = model.logits(h[start:T - 1]).float()  # true rows at delay d: Y_{d+1}
+    return Examples(**{k: torch.cat(v) for k, v in out.items()})
+
+
+def weighted_bce(logits: torch.Tensor, label: torch.Tensor, reject_weight: float) -> torch.Tensor:
+    """The paper's weighted BCE: -(y log P + w (1 - y) log(1 - P)), mean over the batch."""
+    return -(label * F.logsigmoid(logits) + reject_weight * (1 - label) * F.logsigmoid(-logits)).mean()
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve of binary ``labels`` ranked by ``scores`` (ties counted half)."""
+    pos, neg = scores[labels > 0.5], scores[labels <= 0.5]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    ranks = torch.empty(len(scores))
+    order = torch.argsort(scores)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float32)
+    # average ranks over ties
+    uniq, inv = torch.unique(scores, return_inverse=True)
+    mean_rank = torch.zeros(len(uniq)).index_add_(0, inv, ranks) / torch.bincount(inv, minlength=len(uniq))
+    r = mean_rank[inv]
+    return float((r[labels > 0.5].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def calibration(p: torch.Tensor, label: torch.Tensor, bins: int = 10) -> list[dict]:
+    """Predicted vs observed acceptance by bin of predicted probability."""
+    out = []
+    b = (p * bins).clamp(max=bins - 1).long()
+    for k in range(bins):
+        m = b == k
+        if m.any():
+            out.append({"bin": f"{k / bins:.1f}-{(k + 1) / bins:.1f}", "n": int(m.sum()),
+                        "predicted": round(float(p[m].mean()), 4), "observed": round(float(label[m].mean()), 4)})
+    return out
+
+
+@torch.no_grad()
+def evaluate(head: AcceptHead, ex: Examples, idx: torch.Tensor) -> dict:
+    head.eval()
+    p = torch.cat([torch.sigmoid(head(ex.hidden[j].float(), ex.extra[j])) for j in idx.split(8192)])
+    head.train()
+    lab, gr = ex.label[idx], ex.greedy[idx]
+    report = {"examples": len(idx)}
+    for name, m in (("greedy", gr), ("sampled", ~gr)):
+        if m.any():
+            report[name] = {"auc": round(auc(p[m], (lab[m] > 0.5).float() if name == "greedy" else
+                                             torch.bernoulli(lab[m], generator=torch.Generator().manual_seed(0))), 4),
+                            "bce": round(float(F.binary_cross_entropy(p[m].clamp(1e-6, 1 - 1e-6), lab[m])), 4),
+                            "mean_label": round(float(lab[m].mean()), 4),
+                            "calibration": calibration(p[m], lab[m])}
+    return report
+
+
+def train_head(ex: Examples, opts: AcceptTrainOptions, c: AcceptHeadConfig, progress: bool = True,
+               log=print) -> tuple[AcceptHead, dict]:
+    torch.manual_seed(opts.seed)
+    seqs = ex.seq.unique()
+    g = torch.Generator().manual_seed(opts.seed)
+    val_seqs = seqs[torch.randperm(len(seqs), generator=g)[:max(1, int(len(seqs) * opts.val_fraction))]]
+    is_val = torch.isin(ex.seq, val_seqs)
+    tr, va = (~is_val).nonzero()[:, 0], is_val.nonzero()[:, 0]
+    head = AcceptHead(c)
+    optim = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opts.lr, total_steps=opts.steps, pct_start=0.05)
+    t0 = time.perf_counter()
+    bar = tqdm(range(opts.steps), desc="train accept head", disable=not progress)
+    for step in bar:
+        j = tr[torch.randint(len(tr), (opts.batch,), generator=g)]
+        loss = weighted_bce(head(ex.hidden[j].float(), ex.extra[j]), ex.label[j], opts.reject_weight)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+        if step % 100 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    report = evaluate(head, ex, va)
+    report.update(train_examples=len(tr), train_seconds=round(time.perf_counter() - t0, 1))
+    log(f"held-out: greedy AUC {report.get('greedy', {}).get('auc')}, sampled AUC "
+        f"{report.get('sampled', {}).get('auc')} ({len(va)} examples)")
+    return head.eval().requires_grad_(False), report
+
+
+def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, data_path: Path | None = None,
+                          checkpoint: Path | None = None, opts: AcceptTrainOptions | None = None,
+                          limit: int | None = None, work: Path | None = None, progress: bool = True,
+                          log=print) -> Path:
+    """Data -> teacher pass -> drafted examples -> head -> checkpoint + card. Returns the checkpoint path."""
+    from drafters.glide.drafter import load_glide
+    from server.engine.engine import load_target
+
+    if drafter != "glide":
+        raise ValueError(f"acceptance heads train for chain drafters with a hidden state: glide (got {drafter!r})")
+    opts = opts or AcceptTrainOptions()
+    target = load_target(cfg, progress=progress)
+    out = Path(out) if out else default_checkpoint(target.model_id, drafter)
+    data_file, items = ensure_data(cfg, target, data_path, 256, 32, limit, progress, log)
+    model = load_glide(target, checkpoint)
+    read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
+    wd = Path(work) if work else work_dir(cfg, target.model_id)
+    wd.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in items]).encode(), digest_size=6)
+    tag = f"{len(items)}+0-{opts.max_len}-{'_'.join(map(str, read))}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
+    teacher_file = wd / f"teacher-{tag}.pt"
+    t0 = time.perf_counter()
+    if teacher_file.exists():
+        teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
+    else:
+        teacher = teacher_pass(target, items, read, opts.max_len, progress=progress)
+        torch.save(teacher.__dict__, teacher_file)
+    t1 = time.perf_counter()
+    ex = draft_examples(model, teacher, opts, target.lm_head_weight.float(), progress=progress)
+    t2 = time.perf_counter()
+    log(f"{len(ex.label)} examples from {len(teacher)} sequences ({t2 - t1:.0f} s); greedy acceptance "
+        f"{float(ex.label[ex.greedy].mean()):.3f}, sampled {float(ex.label[~ex.greedy].mean()):.3f}")
+    c = AcceptHeadConfig(target.model_id, drafter, model.c.target_hidden, opts.num_blocks, opts.hidden_only)
+    head, report = train_head(ex, opts, c, progress, log)
+    card = {"target": target.model_id, "drafter": drafter, "architecture": asdict(c),
+            "data": {"file": data_file.name, "sequences": len(items),
+                     "answer_tokens": sum(len(i["response_ids"]) for i in items), "examples": len(ex.label)},
+            "training": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()},
+                         "teacher_seconds": round(t1 - t0, 1), "drafting_seconds": round(t2 - t1, 1)},
+            "validation": report}
+    head.save(out, card)
+    log(f"wrote {out} and {out.with_suffix('.json')}")
+    return out
