@@ -1,7 +1,9 @@
 """Adaptive draft length (SpecDec++, Huang et al. 2024): an acceptance head that tells a chain drafter when to stop.
 
-At each drafted token Y_i the head reads the drafter's last hidden state after it consumed Y_i (the forward that also
-gives the next draft distribution) and predicts P_i = P(Y_i accepted | Y_1..Y_{i-1} accepted). The drafter stops once
+At each drafted token Y_i the head reads the drafter's last hidden state, the one Y_i was drafted from, and predicts
+P_i = P(Y_i accepted | Y_1..Y_{i-1} accepted). (The paper reads the state after the drafter consumed Y_i; that costs a
+drafter forward per step that a stopped chain does not need, about a fifth of a target step on CPU, and for a greedy
+chain, whose Y_i is the argmax of that state, it carries no more information.) The drafter stops once
 the chance of at least one rejection, 1 - prod(P_1..P_i), exceeds the threshold h (the paper's Theorem 3.1 shows the
 optimal stopping policy has this form), or at its cap. The threshold is a per-deployment value measured on the machine:
 where a verify row is cheap against a drafter forward it pays to draft on at lower odds, and the other way round.

@@ -1,4 +1,5 @@
-"""`specserve` command line: serve, generate, bench offline/serve, train prompts/data/glide/falcon/bigram/eval-glide.
+"""`specserve` command line: serve, generate, bench offline/serve, train prompts/data/glide/falcon/accept-head/bigram/
+eval-glide.
 
 Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
 drafter (serve, generate, bench offline) also take ``--drafter``. ``bench serve`` only talks to a running server over
@@ -158,6 +159,20 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
     run_train_falcon(_config(a), out=a.out, data_path=a.data, opts=opts, k=a.k, vocab_subset=a.vocab_subset,
                      max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit,
                      text_tokens=a.text_tokens, log=_log)
+    return 0
+
+
+def cmd_train_accept_head(a: argparse.Namespace) -> int:
+    from drafters.train.accept_head import AcceptTrainOptions, run_train_accept_head
+
+    temps = tuple(float(t) for t in a.temperatures.split(",") if t.strip())
+    if not temps or any(not 0 < t <= 2 for t in temps):
+        raise ConfigError("--temperatures: comma-separated temperatures in (0, 2]")
+    opts = AcceptTrainOptions(max_depth=a.max_depth, temperatures=temps, keep=a.keep, num_blocks=a.num_blocks,
+                              hidden_only=a.hidden_only, reject_weight=a.reject_weight, steps=a.steps, batch=a.batch,
+                              lr=a.lr, max_len=a.max_len, seed=a.seed)
+    run_train_accept_head(_config(a), a.drafter, out=a.out, data_path=a.data, checkpoint=a.checkpoint, opts=opts,
+                          max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit, log=_log)
     return 0
 
 
@@ -362,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "needed)")
     tb = tsub.add_parser("bigram", help="build the Max-Gram bigram table from the same data (runs `train data` "
                          "first when needed)")
-    for q in (td, tg, tf, tb):
+    ta = tsub.add_parser("accept-head", help="train the acceptance head that stops an adaptive drafter's chain "
+                         "(runs `train data` first when needed)")
+    for q in (td, tg, tf, tb, ta):
         _common(q, drafter_help=None)  # they train drafters for the configured target; none runs
         q.add_argument("--data", default=None, help="answers file (default: <cache>/train/<target>/responses.pt)")
         q.add_argument("--max-new-tokens", type=int, default=256, help="answer length when generating data")
@@ -416,6 +433,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added to the data")
     tf.add_argument("--seed", type=int, default=0)
     tf.set_defaults(func=cmd_train_falcon)
+    ta.add_argument("--drafter", choices=["glide"], default="glide", help="the chain drafter whose states it reads")
+    ta.add_argument("--checkpoint", default=None, help="that drafter's checkpoint (default: the shipped one)")
+    ta.add_argument("--out", default=None, help="head path (default: drafters/checkpoints/<target>/"
+                    "accept-<drafter>.safetensors)")
+    ta.add_argument("--max-depth", type=int, default=8, help="drafted depths 1..N per answer position")
+    ta.add_argument("--temperatures", default="0.6,0.8,1.0",
+                    help="sampled labels at one of these per sequence (greedy labels always)")
+    ta.add_argument("--keep", type=float, default=0.25, help="share of drafted positions kept as examples")
+    ta.add_argument("--num-blocks", type=int, default=3, help="residual blocks of the head")
+    ta.add_argument("--hidden-only", action="store_true", help="the paper's inputs: the hidden state alone")
+    ta.add_argument("--reject-weight", type=float, default=3.0, help="BCE weight of rejections (the paper's w)")
+    ta.add_argument("--steps", type=int, default=3000)
+    ta.add_argument("--batch", type=int, default=2048, help="examples per optimizer step")
+    ta.add_argument("--lr", type=float, default=1e-3)
+    ta.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
+    ta.add_argument("--seed", type=int, default=0)
+    ta.set_defaults(func=cmd_train_accept_head)
     te = tsub.add_parser("eval-glide", help="acceptance of GLIDE checkpoints (chain or CAPE) on a prompt file")
     _common(te, drafter_help=None)
     te.add_argument("--checkpoint", action="append", required=True, help="checkpoint path (repeatable)")

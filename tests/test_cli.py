@@ -83,10 +83,18 @@ def test_model_commands_take_config_dtype_device():
 
     p = build_parser()
     for argv in (["generate", "--prompt", "x"], ["serve"], ["bench", "offline", "--prompts", "p"],
-                 ["train", "glide"], ["train", "data"], ["train", "bigram"],
+                 ["train", "glide"], ["train", "data"], ["train", "bigram"], ["train", "accept-head"],
                  ["train", "eval-glide", "--checkpoint", "c", "--prompts", "p"]):
         a = p.parse_args([*argv, "--config", "c.yaml", "--dtype", "float32", "--device", "cpu"])
         assert (a.config, a.dtype, a.device) == ("c.yaml", "float32", "cpu")
+
+
+def test_train_accept_head_checks_its_temperatures(capsys):
+    assert main(["train", "accept-head", "--temperatures", "0"]) == 2
+    assert "--temperatures" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["train", "accept-head", "--drafter", "ngram"])
+    assert e.value.code == 2
 
 
 def test_bench_steps_prints_the_step_cost_curve(tiny_dir, tmp_path, capsys):

@@ -163,10 +163,10 @@ class GlideDrafter:
             chain.append(int(self.vocab_ids[tok_local]))
             confs.append(conf)
             alts.append(self.vocab_ids[alt_local].tolist() if self.cape else [])
+            if stop is not None and not stop.more(self._accept_prob(h, seq, i + 1, conf)):
+                break  # the chance of a rejection passed the threshold: verify what is drafted
             if i + 1 < self.gamma:
                 h = self._forward(seq, st, [chain[-1]])
-                if stop is not None and not stop.more(self._accept_prob(h, seq, i + 1, conf)):
-                    break
         chain_q = torch.stack(qs) if qs else None
         if not self.cape:
             return DraftTree.chain(tokens[-1], chain, None if chain_q is None else
@@ -216,8 +216,9 @@ class GlideCapeDrafter(GlideDrafter):
 
 class GlideAdaptiveDrafter(GlideDrafter):
     """`glide-adaptive`: the GLIDE chain, stopped per step by the acceptance head (drafters/adaptive.py) once the
-    chance of a rejection passes ``threshold``, at most ``max_gamma`` tokens. ``cape: true`` adds CAPE's
-    alternatives to the chain it keeps."""
+    chance of a rejection passes ``threshold``, at most ``max_gamma`` tokens. The head reads the hidden state each
+    token was drafted from, so stopping costs no drafter forward. ``cape: true`` adds CAPE's alternatives to the
+    chain it keeps."""
 
     name = "glide-adaptive"
 

@@ -124,7 +124,7 @@ class GlideLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None, cache_len: int,
                 target_kv: tuple[torch.Tensor, torch.Tensor] | None, visible: torch.Tensor | None,
-                kv_only: bool = False, self_visible: torch.Tensor | None = None):
+                kv_only: bool = False):
         c = self.c
         T, H, Hkv, D = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         qkv = linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.wqkv).view(T, H + 2 * Hkv, D)
@@ -139,7 +139,7 @@ class GlideLayer(nn.Module):
                 return None
         else:
             k, v = k.transpose(0, 1), v.transpose(0, 1)
-        x = x + linear(_self_attention(q, k, v, cache_len, self_visible).reshape(T, -1), self.wo)
+        x = x + linear(_self_attention(q, k, v, cache_len).reshape(T, -1), self.wo)
         if c.cross_attention and target_kv is not None:
             tq = linear(rms_norm(x, self.cross_norm, c.rms_norm_eps), self.cq).view(T, c.target_num_heads, D)
             o = _cross_attention(apply_rope(tq, cos, sin), *target_kv, visible)
@@ -148,17 +148,13 @@ class GlideLayer(nn.Module):
         return x + linear(F.silu(gate) * up, self.w_down)
 
 
-def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_len: int,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D]; k, v [H_kv, cache_len + T, D]; causal over the new rows, or ``mask`` [T, cache_len + T] (bool:
-    which keys each row sees) when given -> [T, H, D]."""
+def _self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """q [T, H, D]; k, v [H_kv, cache_len + T, D]; causal over the new rows -> [T, H, D]."""
     T, H, D = q.shape
     g = H // k.shape[0]
     qh = q.transpose(0, 1)  # [H, T, D]
     kh, vh = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
-    if mask is not None:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-    elif T == 1:
+    if T == 1:
         o = F.scaled_dot_product_attention(qh, kh, vh)
     elif cache_len == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
@@ -249,15 +245,13 @@ class GlideModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor] | None, cache_len: int,
                 target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                visible: torch.Tensor | None, kv_only: bool = False,
-                self_visible: torch.Tensor | None = None) -> torch.Tensor | None:
+                visible: torch.Tensor | None, kv_only: bool = False) -> torch.Tensor | None:
         """T new rows -> hidden states [T, target_hidden] (apply ``logits`` for the LM head).
 
         cache: the drafter's (k, v) [num_layers, H_kv, S, D] or None (training: the rows are the whole sequence);
         target_kv: per draft layer, the target's post-RoPE (K, V) [H_kv_t, n, D] of the layer it reads;
         visible: [T, n] bool (which target keys each row sees) or None for all;
-        kv_only: only fill the drafter's cache (prompt prefill): the last layer stops after writing its K/V;
-        self_visible: [T, cache_len + T] bool, which of the drafter's own rows each row sees (default causal).
+        kv_only: only fill the drafter's cache (prompt prefill): the last layer stops after writing its K/V.
         """
         if self.embed_weight is None:
             raise RuntimeError("GlideModel.attach(target embedding, LM head) must be called first")
@@ -269,7 +263,7 @@ class GlideModel(nn.Module):
             layer_cache = (cache[0][m], cache[1][m]) if cache is not None else None
             tkv = target_kv[m] if target_kv is not None else None
             x = layer(x, cos, sin, layer_cache, cache_len, tkv, visible,
-                      kv_only=kv_only and m == len(self.layers) - 1, self_visible=self_visible)
+                      kv_only=kv_only and m == len(self.layers) - 1)
             if x is None:
                 return None
         x = rms_norm(x, self.norm, self.c.rms_norm_eps)

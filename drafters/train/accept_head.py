@@ -9,14 +9,12 @@ Pipeline (cached under ``<cache>/train/<target id>/`` like the drafters' own tra
   3. train    weighted BCE, the rejections weighted ``reject_weight`` (the paper's w), AdamW;
   4. export   safetensors + a JSON card (data, recipe, held-out AUC and calibration).
 
-**Drafting as at inference, conditioned on acceptance.** The head predicts P(Y_d accepted | Y_1..Y_{d-1} accepted):
-given acceptance, the tokens before Y_d are the verified text itself. So for depth d, root s and Y_d at position p =
-s + d, the drafter's row sees its own rows of the true text before p and itself, and the target's K/V before s (what
-verification had cached when the round began). One forward per depth does every position at once with two streams:
-the true text (whose rows, seeing target keys before r - d, give the distribution of Y_{d+1} at r + 1) and the drafted
-rows (input Y_d, a mask that shows each the true rows before it). This is exact for a one-layer drafter (its K/V do
-not depend on what the target keys each row saw), where the paper's token mixing (feeding drafted tokens in place of
-15% of the true ones in one causal pass) only approximates the condition.
+**Drafting as at inference, conditioned on acceptance.** The head predicts P(Y_d accepted | Y_1..Y_{d-1} accepted)
+from the drafter's hidden state that Y_d was drafted from. Given acceptance, the tokens before Y_d are the verified
+text itself, so for depth d, root s and Y_d at position p = s + d, that state is the drafter's row at p - 1 over the
+true text, seeing the target's K/V before s only (what verification had cached when the round began). One forward per
+depth (``delayed_rows``: every row r sees the target keys before r - (d - 1)) does every position at once, exactly:
+no token mixing is needed (the paper mixes drafted tokens into the inputs to approximate this condition).
 """
 from __future__ import annotations
 
@@ -62,30 +60,12 @@ class Examples:
     seq: torch.Tensor      # [N] int: the sequence it came from (held-out split by sequence)
 
 
-def two_stream_mask(T: int, draft_pos: torch.Tensor) -> torch.Tensor:
-    """Self-attention mask [T + n, T + n]: the true rows 0..T-1 causal; drafted row j (at position draft_pos[j]) sees
-    the true rows before its position and itself."""
-    n = len(draft_pos)
-    m = torch.zeros(T + n, T + n, dtype=torch.bool)
-    m[:T, :T] = torch.ones(T, T, dtype=torch.bool).tril()
-    m[T:, :T] = torch.arange(T)[None, :] < draft_pos[:, None]
-    m[T + torch.arange(n), T + torch.arange(n)] = True
-    return m
-
-
-def two_stream(model, ids: torch.Tensor, target_kv, d: int, draft_pos: torch.Tensor,
-               draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One drafter forward over the true text ``ids`` [T] and drafted tokens ``draft_ids`` at ``draft_pos``, each
-    drafted at depth ``d``: -> (hidden of the true rows [T, H], whose row r saw the target keys before r - d, so its
-    next-token distribution is that of a token drafted at depth d + 1; hidden of the drafted rows [n, H], each as the
-    drafter computes it at inference after the d - 1 tokens before it were accepted)."""
-    T = len(ids)
-    pos = torch.arange(T, device=ids.device)
-    all_pos = torch.cat([pos, draft_pos])
-    vis = pos[None, :] < (all_pos - d)[:, None]  # target keys: true row r sees < r - d, drafted row at p sees < p - d
-    mask = two_stream_mask(T, draft_pos.cpu()).to(ids.device)
-    h = model(torch.cat([ids, draft_ids]), all_pos, None, 0, target_kv, vis, self_visible=mask)
-    return h[:T], h[T:]
+def delayed_rows(model, ids: torch.Tensor, target_kv, delay: int) -> torch.Tensor:
+    """The drafter's hidden states [T, H] over the true text ``ids`` [T] when row r sees the target keys before
+    r - ``delay``: row r is then the state a token at r + 1 is drafted from at depth ``delay`` + 1 (its root at
+    r - delay, the tokens in between accepted)."""
+    pos = torch.arange(len(ids), device=ids.device)
+    return model(ids, pos, None, 0, target_kv, pos[None, :] < (pos - delay)[:, None])
 
 
 @torch.inference_mode()
@@ -106,40 +86,31 @@ def draft_examples(model, data: TeacherData, opts: AcceptTrainOptions, lm_head: 
         t_greedy = t_logits.argmax(-1)
         sp = SamplingParams(temperature=rng.choice(opts.temperatures))
         p_sampled = target_probs(t_logits, sp)                           # [n, V]
-        pos = torch.arange(T, device=dev)
-        # depth 0: the true stream with the usual visibility gives the distribution of Y_1 at every row
-        h = model(ids, pos, None, 0, target_kv, pos[:, None] > pos[None, :])
-        q_logits = model.logits(h[start:T - 1]).float()                  # row r -> Y at r + 1, r = start..T-2
         for d in range(1, opts.max_depth + 1):
             first = start + d - 1  # the first row r whose root r + 1 - d is an answer-side position (>= start)
             if first > T - 2:
                 break
-            rows = torch.arange(first, T - 1, device=dev)
-            ql = q_logits[rows - start]
+            h = delayed_rows(model, ids, target_kv, d - 1)[first:T - 1]  # Y_d at r + 1 is drafted from row r
+            ql = model.logits(h).float()
             q_greedy = torch.softmax(ql, -1)
             y_greedy = q_greedy.argmax(-1)
             q_s = target_probs(ql, sp)
             y_s = torch.multinomial(q_s, 1, generator=g.manual_seed(opts.seed * 1000003 + i * 97 + d))[:, 0] \
                 if dev.type == "cpu" else torch.multinomial(q_s, 1)[:, 0]
-            h, hd = two_stream(model, ids, target_kv, d, torch.cat([rows + 1, rows + 1]),
-                               torch.cat([vocab_ids[y_greedy], vocab_ids[y_s]]))
-            n = len(rows)
-            tr = rows - start  # the target's rows for the drafted positions
+            n = len(h)
+            tr = torch.arange(first, T - 1, device=dev) - start  # the target's rows for the drafted positions
             lab_g = (vocab_ids[y_greedy] == t_greedy[tr]).float()
-            tok_s = vocab_ids[y_s]
-            lab_s = (p_sampled[tr, tok_s] / q_s.gather(1, y_s[:, None])[:, 0]).clamp(max=1.0)
+            lab_s = (p_sampled[tr, vocab_ids[y_s]] / q_s.gather(1, y_s[:, None])[:, 0]).clamp(max=1.0)
             conf = torch.cat([q_greedy.gather(1, y_greedy[:, None])[:, 0], q_s.gather(1, y_s[:, None])[:, 0]])
             temp = torch.cat([torch.zeros(n, device=dev), torch.full((n,), sp.temperature, device=dev)])
             keep = torch.rand(2 * n, generator=g) < opts.keep
             keep_dev = keep.to(dev)
-            out["hidden"].append(hd[keep_dev].to("cpu", torch.bfloat16))
+            out["hidden"].append(torch.cat([h, h])[keep_dev].to("cpu", torch.bfloat16))
             out["extra"].append(AcceptHead.extra(temp, torch.full((2 * n,), d, device=dev), conf)[keep_dev].cpu())
             out["label"].append(torch.cat([lab_g, lab_s])[keep_dev].cpu())
             out["greedy"].append(torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[keep])
             out["depth"].append(torch.full((int(keep.sum()),), d))
             out["seq"].append(torch.full((int(keep.sum()),), i))
-            if d < opts.max_depth:
-                q_logits = model.logits(h[start:T - 1]).float()  # true rows at delay d: Y_{d+1}
     return Examples(**{k: torch.cat(v) for k, v in out.items()})
 
 
@@ -223,8 +194,8 @@ def train_head(ex: Examples, opts: AcceptTrainOptions, c: AcceptHeadConfig, prog
 
 def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, data_path: Path | None = None,
                           checkpoint: Path | None = None, opts: AcceptTrainOptions | None = None,
-                          limit: int | None = None, work: Path | None = None, progress: bool = True,
-                          log=print) -> Path:
+                          max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None,
+                          work: Path | None = None, progress: bool = True, log=print) -> Path:
     """Data -> teacher pass -> drafted examples -> head -> checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.drafter import load_glide
     from server.engine.engine import load_target
@@ -234,7 +205,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     opts = opts or AcceptTrainOptions()
     target = load_target(cfg, progress=progress)
     out = Path(out) if out else default_checkpoint(target.model_id, drafter)
-    data_file, items = ensure_data(cfg, target, data_path, 256, 32, limit, progress, log)
+    data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
     model = load_glide(target, checkpoint)
     read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
     wd = Path(work) if work else work_dir(cfg, target.model_id)
