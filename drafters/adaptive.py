@@ -13,7 +13,9 @@ acceptance rule differs), the depth i (the drafter's view of the target's KV lag
 own probability of Y_i. The head: ``num_blocks`` residual blocks x + SiLU(Linear(x)), each with its own weights, then
 Linear(width -> 1), a logit. ``hidden_only`` drops the extra inputs (the paper's head; kept for the ablation).
 
-:class:`AdaptiveStop` is the stopping rule; the chain drafters (GLIDE, Falcon's chain) call it once per drafted token.
+:class:`AdaptiveStop` is the stopping rule; :class:`AdaptiveLength` is the one wrapper a chain drafter mixes in to get
+it (`glide-adaptive`, `falcon-adaptive`): it loads the head and turns a drafted token into P_i; the drafter calls
+``stop.more(P_i)`` after each token and verifies what it has drafted when that says no.
 """
 from __future__ import annotations
 
@@ -128,3 +130,27 @@ class AdaptiveStop:
     def more(self, p_accept: float) -> bool:
         self.log_prod += math.log(max(p_accept, 1e-12))
         return self.log_prod >= self.log_threshold
+
+
+class AdaptiveLength:
+    """Mixed into a chain drafter: its acceptance head and threshold. The drafter calls ``_new_stop()`` at the start
+    of a proposal and ``stop.more(self._accept_prob(...))`` after each drafted token."""
+
+    head: AcceptHead
+    threshold: float
+
+    def _init_adaptive(self, target, drafter: str, hidden_size: int, accept_head: str | None,
+                       threshold: float) -> None:
+        AdaptiveStop(threshold)  # validates it
+        self.threshold = threshold
+        self.head = load_accept_head(target, drafter, hidden_size, accept_head)
+
+    def _new_stop(self) -> AdaptiveStop:
+        return AdaptiveStop(self.threshold)
+
+    def _accept_prob(self, h: torch.Tensor, sampling, depth: int, q_token: float) -> float:
+        """P(the token drafted from state ``h`` [1, hidden] at ``depth`` with draft probability ``q_token`` is
+        accepted, given the ones before it were), for a request with ``sampling``."""
+        temp = 0.0 if sampling.greedy else sampling.temperature
+        extra = AcceptHead.extra(torch.tensor([temp]), torch.tensor([depth]), torch.tensor([q_token])).to(h.device)
+        return float(torch.sigmoid(self.head(h, extra))[0])

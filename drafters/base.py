@@ -79,6 +79,7 @@ _REGISTRY: dict[str, str] = {
     "maxgram": "drafters.cascade.maxgram:MaxGramDrafter",
     "cascade": "drafters.cascade.drafter:CascadeDrafter",
     "falcon": "drafters.falcon.drafter:FalconDrafter",
+    "falcon-adaptive": "drafters.falcon.drafter:FalconAdaptiveDrafter",
 }
 
 

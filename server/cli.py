@@ -433,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added to the data")
     tf.add_argument("--seed", type=int, default=0)
     tf.set_defaults(func=cmd_train_falcon)
-    ta.add_argument("--drafter", choices=["glide"], default="glide", help="the chain drafter whose states it reads")
+    ta.add_argument("--drafter", choices=["glide", "falcon"], default="glide",
+                    help="the chain drafter whose states it reads")
     ta.add_argument("--checkpoint", default=None, help="that drafter's checkpoint (default: the shipped one)")
     ta.add_argument("--out", default=None, help="head path (default: drafters/checkpoints/<target>/"
                     "accept-<drafter>.safetensors)")

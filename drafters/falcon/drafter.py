@@ -28,6 +28,7 @@ import torch
 
 from core.sampling import race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
+from drafters.adaptive import AdaptiveLength, AdaptiveStop
 from drafters.base import SequenceView, TargetView
 from drafters.falcon.model import FalconCheckpointError, FalconModel, check_fits, default_checkpoint
 
@@ -57,6 +58,9 @@ class _Tree:
     tokens: list[int]
     parents: list[int]
     q: list[torch.Tensor]  # per draft row, its q over the vocabulary (unseeded sampling only)
+    root: int = 0          # the root's position
+    stop: "AdaptiveStop | None" = None  # falcon-adaptive: the stopping rule of this proposal
+    stopped: bool = False
 
 
 def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> FalconModel:
@@ -75,10 +79,11 @@ def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> Fal
 class FalconDrafter:
     name = "falcon"
 
-    def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple = (3, 2),
+    def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple | None = (3, 2),
                  forwards: int = 1, width: int = 1, max_rows: int = 10):
         self.model = load_falcon(target, checkpoint)
         self.c = self.model.c
+        top_m = (1,) * self.c.k if top_m is None else top_m  # None: a chain
         if len(top_m) != self.c.k or any(int(m) < 1 for m in top_m):
             raise ValueError(f"falcon: top_m needs {self.c.k} sizes >= 1 (one per position of a block), got {top_m}")
         if not 1 <= forwards <= 16 or not 1 <= width <= 8:
@@ -136,12 +141,12 @@ class FalconDrafter:
             self._forward(st, tokens[start:b0], feats[:b0 - start], list(range(start, b0)), start - 1, kv_only=True)
         out = self._forward(st, tokens[b0:n + 1], feats[b0 - start:], list(range(b0, n + 1)), b0 - 1)
         st.cached = n
-        tree = _Tree([tokens[-1]], [-1], [])
+        tree = _Tree([tokens[-1]], [-1], [], n, self._new_stop())
         leaves: list[_Leaf] = []
         self._grow(seq, st, out, [], 0, 1.0, n + 1, tree, leaves)
         used = 0  # drafted rows in the cache past the verified ones
         for _ in range(self.forwards - 1):
-            if len(tree.tokens) >= self.max_rows or not leaves:
+            if len(tree.tokens) >= self.max_rows or not leaves or tree.stopped:
                 break
             leaves.sort(key=lambda leaf: -leaf.score)
             chosen, leaves = leaves[:self.width], leaves[self.width:]
@@ -196,12 +201,36 @@ class FalconDrafter:
                     if full is not None:
                         tree.q.append(full[i])
                     grown.append((rows + [len(tree.tokens) - 1], s * float(probs[i, local])))
+                    if tree.stop is not None and not tree.stop.more(
+                            self._accept_prob(feats[i:i + 1], sp, position + i - tree.root, float(probs[i, local]))):
+                        tree.stopped = True  # a chain (top_m all 1): verify what is drafted
+                        return
             paths = grown
         for rows, s in paths:  # complete paths only: every level was grown
             leaves.append(_Leaf(s, rows[1:], [tree.tokens[r] for r in rows[1:]], feats, position, ancestors))
+
+    def _new_stop(self) -> AdaptiveStop | None:
+        """The fixed tree grows to its shape; the adaptive chain stops earlier (drafters/adaptive.py)."""
+        return None
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         """Nothing to roll back: the cache holds verified positions only."""
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
+
+
+class FalconAdaptiveDrafter(AdaptiveLength, FalconDrafter):
+    """`falcon-adaptive`: the Falcon chain (the top token at every position, ``k`` per forward, up to ``max_forwards``
+    forwards), stopped by the acceptance head once the chance of a rejection passes ``threshold``. The head reads the
+    feature each token was drafted from; a stop inside a block drops the block's later tokens, a stop at its end
+    saves the next forward."""
+
+    name = "falcon-adaptive"
+
+    def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
+                 threshold: float = 0.5, max_forwards: int = 2):
+        if not 1 <= max_forwards <= 2:
+            raise ValueError("falcon-adaptive: max_forwards must be 1 or 2 (the head learned the first two blocks)")
+        super().__init__(target, checkpoint, top_m=None, forwards=max_forwards, width=1, max_rows=MAX_TREE_ROWS)
+        self._init_adaptive(target, "falcon", self.c.hidden_size, accept_head, threshold)

@@ -21,7 +21,7 @@ import torch
 
 from core.sampling import race, request_generator, target_probs, token_clocks
 from core.tree import DraftTree, VerifyResult
-from drafters.adaptive import AcceptHead, AdaptiveStop, load_accept_head
+from drafters.adaptive import AdaptiveLength, AdaptiveStop
 from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
 from drafters.glide.model import GlideCheckpointError, GlideModel, causal_visibility, check_fits, default_checkpoint
@@ -163,7 +163,7 @@ class GlideDrafter:
             chain.append(int(self.vocab_ids[tok_local]))
             confs.append(conf)
             alts.append(self.vocab_ids[alt_local].tolist() if self.cape else [])
-            if stop is not None and not stop.more(self._accept_prob(h, seq, i + 1, conf)):
+            if stop is not None and not stop.more(self._accept_prob(h, seq.sampling, i + 1, conf)):
                 break  # the chance of a rejection passed the threshold: verify what is drafted
             if i + 1 < self.gamma:
                 h = self._forward(seq, st, [chain[-1]])
@@ -174,11 +174,8 @@ class GlideDrafter:
         return cape_tree(tokens[-1], chain, alts, confs, self.bins, self.max_rows, chain_q)
 
     def _new_stop(self) -> AdaptiveStop | None:
-        """A fixed-length chain drafts ``gamma`` tokens; the adaptive drafter overrides this."""
+        """A fixed-length chain drafts ``gamma`` tokens; the adaptive drafter stops earlier (drafters/adaptive.py)."""
         return None
-
-    def _accept_prob(self, h: torch.Tensor, seq: SequenceView, depth: int, q_token: float) -> float:
-        raise NotImplementedError
 
     @torch.inference_mode()
     def review(self, seq: SequenceView, draft: list[int]) -> torch.Tensor:
@@ -214,7 +211,7 @@ class GlideCapeDrafter(GlideDrafter):
         super().__init__(target, checkpoint, gamma, cape, bins, max_rows)
 
 
-class GlideAdaptiveDrafter(GlideDrafter):
+class GlideAdaptiveDrafter(AdaptiveLength, GlideDrafter):
     """`glide-adaptive`: the GLIDE chain, stopped per step by the acceptance head (drafters/adaptive.py) once the
     chance of a rejection passes ``threshold``, at most ``max_gamma`` tokens. The head reads the hidden state each
     token was drafted from, so stopping costs no drafter forward. ``cape: true`` adds CAPE's alternatives to the
@@ -223,18 +220,7 @@ class GlideAdaptiveDrafter(GlideDrafter):
     name = "glide-adaptive"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
-                 threshold: float = 0.5, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
+                 threshold: float = 0.85, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
                  max_rows: int = 32):
         super().__init__(target, checkpoint, max_gamma, cape, bins, max_rows)
-        AdaptiveStop(threshold)  # validates it
-        self.threshold = threshold
-        self.head: AcceptHead = load_accept_head(target, "glide", self.c.target_hidden, accept_head)
-
-    def _new_stop(self) -> AdaptiveStop:
-        return AdaptiveStop(self.threshold)
-
-    def _accept_prob(self, h: torch.Tensor, seq: SequenceView, depth: int, q_token: float) -> float:
-        sp = seq.sampling
-        extra = AcceptHead.extra(torch.tensor([0.0 if sp.greedy else sp.temperature]), torch.tensor([depth]),
-                                 torch.tensor([q_token])).to(h.device)
-        return float(torch.sigmoid(self.head(h, extra))[0])
+        self._init_adaptive(target, "glide", self.c.target_hidden, accept_head, threshold)

@@ -101,17 +101,79 @@ def draft_examples(model, data: TeacherData, opts: AcceptTrainOptions, lm_head: 
             tr = torch.arange(first, T - 1, device=dev) - start  # the target's rows for the drafted positions
             lab_g = (vocab_ids[y_greedy] == t_greedy[tr]).float()
             lab_s = (p_sampled[tr, vocab_ids[y_s]] / q_s.gather(1, y_s[:, None])[:, 0]).clamp(max=1.0)
-            conf = torch.cat([q_greedy.gather(1, y_greedy[:, None])[:, 0], q_s.gather(1, y_s[:, None])[:, 0]])
-            temp = torch.cat([torch.zeros(n, device=dev), torch.full((n,), sp.temperature, device=dev)])
-            keep = torch.rand(2 * n, generator=g) < opts.keep
-            keep_dev = keep.to(dev)
-            out["hidden"].append(torch.cat([h, h])[keep_dev].to("cpu", torch.bfloat16))
-            out["extra"].append(AcceptHead.extra(temp, torch.full((2 * n,), d, device=dev), conf)[keep_dev].cpu())
-            out["label"].append(torch.cat([lab_g, lab_s])[keep_dev].cpu())
-            out["greedy"].append(torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[keep])
-            out["depth"].append(torch.full((int(keep.sum()),), d))
-            out["seq"].append(torch.full((int(keep.sum()),), i))
+            _collect(out, g, opts, h, torch.full((n,), d, device=dev), lab_g, lab_s,
+                     q_greedy.gather(1, y_greedy[:, None])[:, 0], q_s.gather(1, y_s[:, None])[:, 0], sp.temperature, i)
     return Examples(**{k: torch.cat(v) for k, v in out.items()})
+
+
+@torch.inference_mode()
+def falcon_examples(model, data, opts: AcceptTrainOptions, lm_head: torch.Tensor, progress: bool = True) -> Examples:
+    """The Falcon chain's examples, depths 1..2k: given acceptance, the first drafted block is the last k verified
+    positions with their true inputs (any block of the true stream, its last position the root), and the second is
+    the next k positions with their true tokens and the features the first block predicted for them (the two-stream
+    pass of CSGD training with every token glanced). Each drafted token's state is the feature row it was drafted
+    from."""
+    from drafters.falcon.model import block_ids
+    from drafters.train.falcon import two_stream_mask as falcon_two_stream
+
+    dev, k = model.fuse.device, model.c.k
+    g = torch.Generator().manual_seed(opts.seed)
+    rng = random.Random(opts.seed)
+    out: dict[str, list] = {f: [] for f in Examples.__dataclass_fields__}
+    vocab_ids = model.vocab_ids.to(dev)
+    for i in tqdm(range(len(data)), desc="drafting examples", unit="seq", disable=not progress):
+        tok = data.tokens[i].to(dev)
+        feats = data.feats[i].to(dev, model.fuse.dtype)
+        T, start = len(tok), data.answer_start[i]
+        sp = SamplingParams(temperature=rng.choice(opts.temperatures))
+        pos = torch.arange(1, T, device=dev)              # rows: positions 1 .. T-1, inputs (t_p, f_{p-1})
+        ids, fin = tok[1:], feats[:-1]
+        t_logits_all = feats[start:T - 1].float() @ lm_head.t()  # the target's distribution of positions start+1..
+        t_greedy_all, p_all = t_logits_all.argmax(-1), target_probs(t_logits_all, sp)
+        for offset in range(k):
+            blocks = block_ids(pos, k, offset)
+            f1 = model(ids, fin, pos, blocks[None, :] <= blocks[:, None])
+            pred = (pos > k).nonzero()[:, 0]              # second-block rows: their inputs were predicted k rows back
+            two = model(torch.cat([ids, ids[pred]]), torch.cat([fin, f1[pred - k]]), torch.cat([pos, pos[pred]]),
+                        falcon_two_stream(blocks, blocks[pred]))
+            block_end = (blocks + 1) * k - 1 - offset      # the last position of each row's block (its root)
+            in_block = pos - (block_end - k + 1)           # 0..k-1
+            for stream, rows, depth in ((two[:len(pos)], torch.arange(len(pos), device=dev), in_block + 1),
+                                        (two[len(pos):], pred, k + in_block[pred] + 1)):
+                root = pos[rows] + k - depth               # the token is at position j + k = root + depth
+                label_pos = pos[rows] + k
+                ok = (label_pos <= T - 1) & (root >= start) & (depth <= opts.max_depth)
+                if not ok.any():
+                    continue
+                h, tr = stream[ok], label_pos[ok] - 1 - start  # the target's row for the drafted token
+                ql = model.logits(h).float()
+                q_greedy = torch.softmax(ql, -1)
+                y_greedy = q_greedy.argmax(-1)
+                q_s = target_probs(ql, sp)
+                y_s = torch.multinomial(q_s, 1, generator=g)[:, 0] if dev.type == "cpu" else \
+                    torch.multinomial(q_s, 1)[:, 0]
+                lab_g = (vocab_ids[y_greedy] == t_greedy_all[tr]).float()
+                lab_s = (p_all[tr, vocab_ids[y_s]] / q_s.gather(1, y_s[:, None])[:, 0]).clamp(max=1.0)
+                _collect(out, g, opts, h, depth[ok], lab_g, lab_s, q_greedy.gather(1, y_greedy[:, None])[:, 0],
+                         q_s.gather(1, y_s[:, None])[:, 0], sp.temperature, i)
+    return Examples(**{f: torch.cat(v) for f, v in out.items()})
+
+
+def _collect(out: dict, g: torch.Generator, opts: AcceptTrainOptions, h: torch.Tensor, depth: torch.Tensor,
+             lab_g: torch.Tensor, lab_s: torch.Tensor, conf_g: torch.Tensor, conf_s: torch.Tensor, temperature: float,
+             seq: int) -> None:
+    """Keep a random ``opts.keep`` share of the greedy and the sampled examples of these rows."""
+    n, dev = len(h), h.device
+    keep = torch.rand(2 * n, generator=g) < opts.keep
+    kd = keep.to(dev)
+    temp = torch.cat([torch.zeros(n, device=dev), torch.full((n,), temperature, device=dev)])
+    out["hidden"].append(torch.cat([h, h])[kd].to("cpu", torch.bfloat16))
+    out["extra"].append(AcceptHead.extra(temp, torch.cat([depth, depth]).to(dev), torch.cat([conf_g, conf_s]))[kd]
+                        .cpu())
+    out["label"].append(torch.cat([lab_g, lab_s])[kd].float().cpu())
+    out["greedy"].append(torch.cat([torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])[keep])
+    out["depth"].append(torch.cat([depth, depth]).cpu()[keep])
+    out["seq"].append(torch.full((int(keep.sum()),), seq))
 
 
 def weighted_bce(logits: torch.Tensor, label: torch.Tensor, reject_weight: float) -> torch.Tensor:
@@ -197,34 +259,49 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
                           max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None,
                           work: Path | None = None, progress: bool = True, log=print) -> Path:
     """Data -> teacher pass -> drafted examples -> head -> checkpoint + card. Returns the checkpoint path."""
-    from drafters.glide.drafter import load_glide
     from server.engine.engine import load_target
 
-    if drafter != "glide":
-        raise ValueError(f"acceptance heads train for chain drafters with a hidden state: glide (got {drafter!r})")
+    if drafter not in ("glide", "falcon"):
+        raise ValueError(f"acceptance heads train for the chain drafters glide and falcon, not {drafter!r}")
     opts = opts or AcceptTrainOptions()
     target = load_target(cfg, progress=progress)
     out = Path(out) if out else default_checkpoint(target.model_id, drafter)
     data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
-    model = load_glide(target, checkpoint)
-    read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
     wd = Path(work) if work else work_dir(cfg, target.model_id)
     wd.mkdir(parents=True, exist_ok=True)
     digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in items]).encode(), digest_size=6)
-    tag = f"{len(items)}+0-{opts.max_len}-{'_'.join(map(str, read))}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
-    teacher_file = wd / f"teacher-{tag}.pt"
     t0 = time.perf_counter()
-    if teacher_file.exists():
-        teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
+    if drafter == "glide":
+        from drafters.glide.drafter import load_glide
+
+        model = load_glide(target, checkpoint)
+        read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
+        tag = f"{len(items)}+0-{opts.max_len}-{'_'.join(map(str, read))}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
+        teacher_file = wd / f"teacher-{tag}.pt"
+        if teacher_file.exists():
+            teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
+        else:
+            teacher = teacher_pass(target, items, read, opts.max_len, progress=progress)
+            torch.save(teacher.__dict__, teacher_file)
+        hidden, build = model.c.target_hidden, draft_examples
     else:
-        teacher = teacher_pass(target, items, read, opts.max_len, progress=progress)
-        torch.save(teacher.__dict__, teacher_file)
+        from drafters.falcon.drafter import load_falcon
+        from drafters.train.falcon import FeatureData, teacher_features
+
+        model = load_falcon(target, checkpoint)
+        feat_file = wd / f"features-{len(items)}+0-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}.pt"
+        if feat_file.exists():
+            teacher = FeatureData(**torch.load(feat_file, weights_only=True))
+        else:
+            teacher = teacher_features(target, items, opts.max_len, progress=progress)
+            torch.save(teacher.__dict__, feat_file)
+        hidden, build = model.c.hidden_size, falcon_examples
     t1 = time.perf_counter()
-    ex = draft_examples(model, teacher, opts, target.lm_head_weight.float(), progress=progress)
+    ex = build(model, teacher, opts, target.lm_head_weight.float(), progress=progress)
     t2 = time.perf_counter()
     log(f"{len(ex.label)} examples from {len(teacher)} sequences ({t2 - t1:.0f} s); greedy acceptance "
         f"{float(ex.label[ex.greedy].mean()):.3f}, sampled {float(ex.label[~ex.greedy].mean()):.3f}")
-    c = AcceptHeadConfig(target.model_id, drafter, model.c.target_hidden, opts.num_blocks, opts.hidden_only)
+    c = AcceptHeadConfig(target.model_id, drafter, hidden, opts.num_blocks, opts.hidden_only)
     head, report = train_head(ex, opts, c, progress, log)
     card = {"target": target.model_id, "drafter": drafter, "architecture": asdict(c),
             "data": {"file": data_file.name, "sequences": len(items),

@@ -126,16 +126,18 @@ def prompt_ids(tokenizer):
     return encode_prompts(tokenizer, PROMPTS)
 
 
-def test_shipped_head_exists():
-    assert default_checkpoint("SmolLM2-135M-Instruct", "glide").is_file(), "the trained head must ship"
+@pytest.mark.parametrize("drafter", ["glide", "falcon"])
+def test_shipped_heads_exist(drafter):
+    assert default_checkpoint("SmolLM2-135M-Instruct", drafter).is_file(), "the trained head must ship"
 
 
-def test_glide_adaptive_is_lossless_and_its_length_follows_the_threshold(fp32_config, target32, stops, prompt_ids):
+@pytest.mark.parametrize("name,cap", [("glide-adaptive", {"max_gamma": 8}), ("falcon-adaptive", {"max_forwards": 2})])
+def test_adaptive_drafters_are_lossless_and_their_length_follows_the_threshold(fp32_config, target32, stops,
+                                                                                prompt_ids, name, cap):
     plain = Engine(fp32_config, create_drafter("none", target32), target32)
     lengths = {}
     for h in (0.05, 0.5, 0.95):
-        spec = Engine(fp32_config, create_drafter("glide-adaptive", target32, {"threshold": h, "max_gamma": 8}),
-                      target32)
+        spec = Engine(fp32_config, create_drafter(name, target32, {"threshold": h, **cap}), target32)
         drafted = steps = 0
         for ids in prompt_ids:
             want = plain.generate(ids, max_new_tokens=40, stop_token_ids=stops).token_ids
@@ -146,7 +148,7 @@ def test_glide_adaptive_is_lossless_and_its_length_follows_the_threshold(fp32_co
         lengths[h] = drafted / steps
     # a low threshold stops early, a high one drafts on; in between the length varies from step to step
     assert 1.0 <= lengths[0.05] < lengths[0.5] < lengths[0.95] <= 8.0, lengths
-    assert lengths[0.05] < 1.5 and lengths[0.95] > 1.5, lengths
+    assert lengths[0.05] < 1.5 and lengths[0.95] > 1.5, lengths  # a chain of 1 or more tokens per step
 
 
 def test_glide_adaptive_sampled_tree_is_valid(fp32_config, target32, prompt_ids):
@@ -163,7 +165,13 @@ def test_glide_adaptive_sampled_tree_is_valid(fp32_config, target32, prompt_ids)
     assert seq.num_generated == 24
 
 
-def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tmp_path):
+def test_falcon_adaptive_caps_its_forwards(target32):
+    with pytest.raises(ValueError, match="max_forwards"):
+        create_drafter("falcon-adaptive", target32, {"max_forwards": 3})
+
+
+@pytest.mark.parametrize("drafter", ["glide", "falcon"])
+def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tmp_path, drafter):
     from drafters.train.accept_head import AcceptTrainOptions, run_train_accept_head
     from drafters.train.data import generate_responses
     from drafters.train.prompts import training_records
@@ -172,13 +180,16 @@ def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tm
     data = tmp_path / "answers.pt"
     generate_responses(target32.hf_dir, target32.model_id, recs, data, max_new_tokens=20, batch_size=3,
                        dtype=torch.float32, progress=False)
-    out = run_train_accept_head(fp32_config, "glide", tmp_path / "accept-glide.safetensors", data_path=data,
+    out = run_train_accept_head(fp32_config, drafter, tmp_path / f"accept-{drafter}.safetensors", data_path=data,
                                 opts=AcceptTrainOptions(max_depth=3, keep=1.0, steps=20, batch=64, val_fraction=0.34),
                                 work=tmp_path, progress=False, log=lambda m: None)
     import json
 
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["data"]["examples"] > 0 and "greedy" in card["validation"]
-    head = load_accept_head(target32, "glide", 576, out)
-    drafter = create_drafter("glide-adaptive", target32, {"accept_head": str(out)})
-    assert drafter.head.c == head.c
+    head = load_accept_head(target32, drafter, 576, out)
+    adaptive = create_drafter(f"{drafter}-adaptive", target32, {"accept_head": str(out)})
+    assert adaptive.head.c == head.c and head.c.drafter == drafter
+    with pytest.raises(AcceptHeadError, match=f"drafter '{drafter}'"):  # a head for the other drafter is refused
+        create_drafter("falcon-adaptive" if drafter == "glide" else "glide-adaptive", target32,
+                       {"accept_head": str(out)})

@@ -79,6 +79,8 @@ CASES: dict[str, Case] = {
     # the GLIDE chain cut by a random acceptance head: draft lengths vary from step to step with the context
     "glide-adaptive": Case({"checkpoint": "{glide}", "accept_head": "{accept}", "threshold": 0.5, "max_gamma": 3},
                            SamplingParams(temperature=0.6, top_p=0.8), ("q", "lengths")),
+    "falcon-adaptive": Case({"checkpoint": "{falcon}", "accept_head": "{accept_falcon}", "threshold": 0.5,
+                             "max_forwards": 2}, SamplingParams(temperature=0.6, top_k=6), ("q", "lengths")),
 }
 
 
@@ -165,8 +167,11 @@ def weight_files(target, tmp_path_factory) -> dict[str, str]:
     with torch.no_grad():  # P(accept) spread around the threshold, so the chain's length depends on the context
         head.out.weight.copy_(torch.randn(head.out.weight.shape, generator=gen))
     head.save(d / "accept-glide.safetensors")
+    head.c.drafter = "falcon"
+    head.save(d / "accept-falcon.safetensors")
     return {"glide": str(d / "glide.safetensors"), "bigram": str(d / "bigram.safetensors"),
-            "falcon": str(d / "falcon.safetensors"), "accept": str(d / "accept-glide.safetensors")}
+            "falcon": str(d / "falcon.safetensors"), "accept": str(d / "accept-glide.safetensors"),
+            "accept_falcon": str(d / "accept-falcon.safetensors")}
 
 
 def make_engine(tiny_dir, target, weight_files, name: str, slots: int = 1) -> Engine:
@@ -205,7 +210,7 @@ class Coverage:
 
 # The order that gives each case its seeds: a new case goes at the end, so the others keep the seeds they were checked
 # with.
-SEED_ORDER = ("cascade", "glide", "glide-cape", "maxgram", "ngram", "falcon", "glide-adaptive")
+SEED_ORDER = ("cascade", "glide", "glide-cape", "maxgram", "ngram", "falcon", "glide-adaptive", "falcon-adaptive")
 
 
 def seed_base(name: str, control: int = 0) -> int:
