@@ -83,11 +83,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_offline(a: argparse.Namespace) -> int:
+    from core.sampling import SamplingParams
     from server.bench.offline import format_report, run_offline
 
-    names = [n.strip() for n in (a.drafter or "none").split(",") if n.strip()]
     cfg = _config(a)
-    rep = run_offline(cfg, names, a.prompts, a.max_tokens, a.baseline, a.repeats, log=_log)
+    sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    rep = run_offline(cfg, [a.drafter or "none"], a.prompts, a.max_tokens, a.baseline, a.repeats, log=_log,
+                      sampling=sampling)
     _emit(format_report(rep), rep, a.json)
     return 0
 
@@ -307,7 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bo = bsub.add_parser("offline", help="drafters vs plain decoding (and HF generate) on one prompt set")
-    _common(bo, "comma-separated drafters to compare with `none`")
+    _common(bo, "comma-separated drafters to compare with `none`, each optionally with option overrides: "
+                "name:key=value[:key=value...] (YAML values), e.g. glide:gamma=1,glide:gamma=2,falcon:top_m=[2,1]")
+    bo.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    bo.add_argument("--top-p", type=float, default=1.0)
+    bo.add_argument("--seed", type=int, default=None, help="seed prompt i with seed + i (outputs stay comparable)")
     bo.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--baseline", choices=["hf"], default=None)

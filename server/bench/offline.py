@@ -1,10 +1,14 @@
 """`specserve bench offline`: every named drafter (and `none`) on the same prompts, in one process.
 
-Greedy decoding. For each drafter: tokens/s (generated tokens / generation wall time, prefill included), mean
-accepted length (tokens per target forward, bonus included), acceptance rate, speedup vs `none`, and whether every
-output equals `none`'s token for token. `--baseline hf` also times transformers' `generate(do_sample=False)` on the
-same weights, dtype and prompts. Runs are interleaved (repeat -> prompt -> drafter) so machine noise hits every
-drafter alike; tokens/s is the median over repeats.
+Greedy decoding by default; ``--temperature`` / ``--top-p`` / ``--seed`` time sampled requests the same way (with a
+seed, prompt i is seeded ``seed + i`` and outputs must still equal `none`'s; without one they cannot be compared). A
+drafter spec may override its config options, ``name:key=value:key=value`` (values read as YAML, e.g.
+``glide:gamma=3`` or ``falcon:top_m=[2,1]``), so one run can sweep a drafter's settings. For each drafter: tokens/s
+(generated tokens / generation wall time, prefill included), mean accepted length (tokens per target forward, bonus
+included), acceptance rate, speedup vs `none`, and whether every output equals `none`'s token for token.
+`--baseline hf` also times transformers' `generate(do_sample=False)` on the same weights, dtype and prompts. Runs
+are interleaved (repeat -> prompt -> drafter) so machine noise hits every drafter alike; tokens/s is the median over
+repeats.
 
 Hardware-independent numbers (Cascade Speculative Drafting's standardized walltime improvement): the counts of
 target forwards (prefills + verify steps) and drafter forwards (from the drafter's ``num_forwards`` counter; 0 for
@@ -20,7 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
+from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from server.config import EngineConfig
 from server.engine.engine import Engine, load_target
@@ -51,19 +57,56 @@ def _hf_generate(hf_model, prompt_ids: list[int], max_tokens: int, stop_ids: tup
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
 
 
+def parse_specs(text: str) -> list[tuple[str, str, dict]]:
+    """``"glide:gamma=2,falcon:top_m=[2,1]"`` -> [(label, drafter name, option overrides)]; commas inside brackets
+    do not split specs."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    specs = []
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        name, *pairs = part.split(":")
+        overrides = {}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(f"drafter spec {part!r}: expected name:key=value[:key=value...]")
+            overrides[key.strip()] = yaml.safe_load(value)
+        specs.append((part, name.strip(), overrides))
+    return specs
+
+
 def _drafter_counters(drafter) -> tuple[int, float]:
     """(forwards, seconds) of the drafter's model so far; (0, 0.0) for drafters without a model."""
     return getattr(drafter, "num_forwards", 0), getattr(drafter, "forward_seconds", 0.0)
 
 
 def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_tokens: int,
-                baseline: str | None = None, repeats: int = 1, log=print) -> dict:
-    names = ["none"] + [d for d in dict.fromkeys(drafters) if d != "none"]
+                baseline: str | None = None, repeats: int = 1, log=print,
+                sampling: SamplingParams | None = None) -> dict:
+    specs = {label: (name, opts) for label, name, opts in parse_specs(",".join(drafters))}
+    specs.pop("none", None)
+    names = ["none", *specs]
+    sampling = sampling or SamplingParams()
+    comparable = sampling.greedy or sampling.seed is not None
+    if baseline and not sampling.greedy:
+        raise ValueError("--baseline hf times greedy decoding; drop it for sampled runs")
     target = load_target(cfg)
     tok = load_tokenizer(target.hf_dir)
     stops = stop_token_ids(tok, target.args.eos_token_ids)
     prompts = [encode_record(tok, r) for r in read_prompts(prompts_path)]
-    engines = {n: Engine(cfg, create_drafter(n, target, cfg.drafter.options_for(n)), target) for n in names}
+    engines = {"none": Engine(cfg, create_drafter("none", target), target)}
+    for label, (name, opts) in specs.items():
+        engines[label] = Engine(cfg, create_drafter(name, target, {**cfg.drafter.options_for(name), **opts}), target)
     hf_model = None
     if baseline == "hf":
         from transformers import AutoModelForCausalLM
@@ -88,7 +131,9 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         for i, ids in enumerate(prompts):
             for n, eng in engines.items():
                 f0, d0 = _drafter_counters(eng.drafter)
-                out = eng.generate(ids, max_new_tokens=max_tokens, stop_token_ids=stops)
+                sp = sampling if sampling.seed is None else SamplingParams(
+                    sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed + i)
+                out = eng.generate(ids, sp, max_new_tokens=max_tokens, stop_token_ids=stops)
                 f1, d1 = _drafter_counters(eng.drafter)
                 secs[n][r] += out.prefill_s + out.decode_s
                 toks[n][r] += len(out.token_ids)
@@ -115,7 +160,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
     report = {"model": target.model_id, "dtype": str(target.dtype).removeprefix("torch."),
               "quantization": cfg.model.quantization, "device": str(target.device),
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_tokens": max_tokens,
-              "repeats": repeats, "results": []}
+              "repeats": repeats, "temperature": sampling.temperature, "top_p": sampling.top_p,
+              "seed": sampling.seed, "results": []}
     target_s = timing["none"][1] / max(1, timing["none"][0])  # one target forward (a decode step)
     report["target_forward_ms"] = round(1000 * target_s, 4)
     for n in names:
@@ -130,7 +176,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
             "acceptance_rate": round(ac / dr, 4) if dr else 0.0,
             "target_forwards": v + len(prompts), "draft_tokens": dr, "accepted_tokens": ac,
             "speedup_vs_none": round(tps[n] / tps["none"], 3),
-            "lossless": all(same), "lossless_fraction": sum(same) / len(same),
+            "lossless": all(same) if comparable else None,
+            "lossless_fraction": sum(same) / len(same) if comparable else None,
             "drafter_forwards": drafter_forwards[n], "drafter_forward_ms": round(1000 * drafter_s, 4),
             "cost_coefficient": round(c, 4),
             "swi": round(toks[n][0] / (v + len(prompts) + drafter_forwards[n] * c), 4),
@@ -147,22 +194,27 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
 
 
 def format_report(rep: dict) -> str:
+    w = max(14, 2 + max(len(r["drafter"]) for r in rep["results"]))
+    sampled = "greedy" if not rep.get("temperature") else \
+        f"temperature {rep['temperature']}  top_p {rep['top_p']}  seed {rep['seed']}"
     lines = [f"model {rep['model']}  dtype {rep['dtype']}  quantization {rep['quantization']}  "
              f"device {rep['device']}  threads {rep['threads']}  prompts {rep['prompts']}  "
-             f"max_tokens {rep['max_tokens']}  repeats {rep['repeats']}",
-             f"{'drafter':<14}{'tok/s':>9}{'accept_len':>12}{'accept_rate':>13}{'vs none':>9}{'vs hf':>8}"
+             f"max_tokens {rep['max_tokens']}  repeats {rep['repeats']}  {sampled}",
+             f"{'drafter':<{w}}{'tok/s':>9}{'accept_len':>12}{'accept_rate':>13}{'vs none':>9}{'vs hf':>8}"
              f"{'lossless':>10}{'tgt_fwd':>9}{'drf_fwd':>9}{'c':>8}{'SWI':>7}"]
     for r in rep["results"]:
         vs_hf = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "-"
-        lines.append(f"{r['drafter']:<14}{r['tokens_per_s']:>9.2f}{r['mean_accepted_length']:>12.2f}"
+        lossless = "-" if r["lossless"] is None else "yes" if r["lossless"] else \
+            "NO (%.0f%%)" % (100 * r["lossless_fraction"])
+        lines.append(f"{r['drafter']:<{w}}{r['tokens_per_s']:>9.2f}{r['mean_accepted_length']:>12.2f}"
                      f"{r['acceptance_rate']:>13.2f}{r['speedup_vs_none']:>8.2f}x{vs_hf:>8}"
-                     f"{'yes' if r['lossless'] else 'NO (%.0f%%)' % (100 * r['lossless_fraction']):>10}"
+                     f"{lossless:>10}"
                      f"{r['target_forwards']:>9}{r['drafter_forwards']:>9}{r['cost_coefficient']:>8.3f}"
                      f"{r['swi']:>7.2f}")
     lines.append(f"c = drafter forward time / target forward time ({rep['target_forward_ms']:.2f} ms here); "
                  "SWI = tokens / (tgt_fwd + drf_fwd * c)")
     if "baseline_hf" in rep:
         b = rep["baseline_hf"]
-        lines.append(f"{'hf generate':<14}{b['tokens_per_s']:>9.2f}   (outputs equal none's on "
+        lines.append(f"{'hf generate':<{w}}{b['tokens_per_s']:>9.2f}   (outputs equal none's on "
                      f"{100 * b['matches_none_fraction']:.0f}% of prompts)")
     return "\n".join(lines)
