@@ -50,6 +50,8 @@ class Metrics:
         self.accepted_length = Histogram("specserve_spec_accepted_length",
                                          "Tokens emitted per verify step (accepted drafts + bonus)", ln,
                                          buckets=tuple(range(1, MAX_POSITIONS + 2)), registry=r)
+        self.draft_length = Histogram("specserve_spec_draft_length", "Draft tokens proposed per verify step", ln,
+                                      buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 63), registry=r)
         self.step_sequences = Histogram("specserve_step_batch_size", "Sequences stepping together in one target forward",
                                         ln, buckets=_POWERS[:7], registry=r)
         self.step_rows = Histogram("specserve_step_rows", "Rows of one target forward (tree rows + prompt-chunk tokens)",
@@ -88,6 +90,7 @@ class Metrics:
                 for p in range(1, st.accepted_tokens + 1):
                     self.accepted_per_position.labels(**lb, position=str(min(p, MAX_POSITIONS))).inc()
                 self.accepted_length.labels(**lb).observe(st.accepted_tokens + 1)
+                self.draft_length.labels(**lb).observe(st.draft_tokens)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(**self.labels, outcome=outcome).inc()

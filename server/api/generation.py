@@ -23,7 +23,8 @@ from server.worker.process import WorkerClient, WorkerDied, new_request_id
 # How long usage waits for the stats of a request cut by a stop string: the worker answers the abort before its
 # next engine call, so within one step or prefill.
 FINAL_STATS_TIMEOUT_S = 5.0
-SPEC_USAGE_KEYS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length")
+SPEC_USAGE_KEYS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length",
+                   "mean_draft_length", "max_draft_length")
 
 
 @dataclass

@@ -53,6 +53,7 @@ class SeqStats:
     step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
     verify_seconds: float = 0.0  # wall time in the target's verify forwards (the offline benchmark's split)
     draft_seconds: float = 0.0   # wall time in the drafter's propose calls
+    max_draft: int = 0           # the most draft rows of one step
 
     @property
     def mean_accepted_length(self) -> float:
@@ -61,7 +62,9 @@ class SeqStats:
 
     def as_dict(self) -> dict:
         return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "verify_steps": self.verify_steps, "mean_accepted_length": round(self.mean_accepted_length, 4)}
+                "verify_steps": self.verify_steps, "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "mean_draft_length": round(self.draft_tokens / self.verify_steps, 4) if self.verify_steps else 0.0,
+                "max_draft_length": self.max_draft}
 
 
 @dataclass
@@ -437,6 +440,7 @@ class Engine:
         s = seq.stats
         s.verify_steps += 1
         s.draft_tokens += tree.num_draft
+        s.max_draft = max(s.max_draft, tree.num_draft)
         s.accepted_tokens += result.num_accepted
         s.step_tokens += len(emitted)
         s.verify_seconds += seconds

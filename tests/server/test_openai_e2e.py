@@ -36,6 +36,8 @@ def test_chat_non_streaming(client, model):
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     extra = u.model_extra
     assert extra["drafter"] == "ngram" and extra["verify_steps"] >= 1 and extra["mean_accepted_length"] >= 1.0
+    assert extra["mean_draft_length"] == round(extra["draft_tokens"] / extra["verify_steps"], 4)
+    assert extra["mean_draft_length"] <= extra["max_draft_length"] <= 63
 
 
 def test_chat_streaming_matches_non_streaming(client, model):
@@ -90,7 +92,8 @@ def test_stop_strings_never_leak(client, model):
         assert text == base[:base.index(stop)]
 
 
-SPEC_FIELDS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length")
+SPEC_FIELDS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length",
+               "mean_draft_length", "max_draft_length")
 
 
 def test_stop_string_usage_counts_the_returned_tokens_and_carries_spec_stats(client, model, tokenizer):
@@ -183,11 +186,15 @@ def test_metrics_move_and_balance(server, client, model):
     wait_balanced(server.url)
     after = scrape(server.url)
     for name in ("specserve_requests_received_total", "specserve_generation_tokens_total",
-                 "specserve_prompt_tokens_total", "specserve_spec_verify_steps_total",
+                 "specserve_prompt_tokens_total", "specserve_spec_verify_steps_total", "specserve_spec_draft_length_count",
                  "specserve_time_to_first_token_seconds_count", "specserve_request_latency_seconds_count"):
         assert metric(after, name) > metric(before, name), name
     assert metric(after, "specserve_requests_total", outcome="completed") == \
         metric(before, "specserve_requests_total", outcome="completed") + 1
+    # one drafted-length observation per verify step, summing to the draft tokens
+    for hist, counter in (("specserve_spec_draft_length_count", "specserve_spec_verify_steps_total"),
+                          ("specserve_spec_draft_length_sum", "specserve_spec_draft_tokens_total")):
+        assert metric(after, hist) - metric(before, hist) == metric(after, counter) - metric(before, counter)
     assert wait_balanced(server.url)
     assert metric(after, "specserve_requests_waiting") == 0
     assert {lb for (n, lb) in after if n == "specserve_requests_running"} == \
