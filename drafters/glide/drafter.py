@@ -220,7 +220,7 @@ class GlideAdaptiveDrafter(AdaptiveLength, GlideDrafter):
     name = "glide-adaptive"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
-                 threshold: float = 0.85, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
+                 threshold: float = 0.5, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
                  max_rows: int = 32):
         super().__init__(target, checkpoint, max_gamma, cape, bins, max_rows)
         self._init_adaptive(target, "glide", self.c.target_hidden, accept_head, threshold)
