@@ -235,7 +235,8 @@ def train_head(ex: Examples, opts: AcceptTrainOptions, c: AcceptHeadConfig, prog
     tr, va = (~is_val).nonzero()[:, 0], is_val.nonzero()[:, 0]
     head = AcceptHead(c)
     optim = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=opts.weight_decay)
-    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opts.lr, total_steps=opts.steps, pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=opts.lr, total_steps=opts.steps,
+                                                pct_start=max(0.05, 2.5 / opts.steps))
     t0 = time.perf_counter()
     bar = tqdm(range(opts.steps), desc="train accept head", disable=not progress)
     for step in bar:

@@ -182,7 +182,7 @@ def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tm
                        dtype=torch.float32, progress=False)
     out = run_train_accept_head(fp32_config, drafter, tmp_path / f"accept-{drafter}.safetensors", data_path=data,
                                 opts=AcceptTrainOptions(max_depth=3, keep=1.0, steps=20, batch=64, val_fraction=0.34),
-                                work=tmp_path, progress=False, log=lambda m: None)
+                                limit=3, work=tmp_path, progress=False, log=lambda m: None)
     import json
 
     card = json.loads(out.with_suffix(".json").read_text())
