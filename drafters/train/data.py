@@ -13,8 +13,10 @@ Work is cut into shards of consecutive prompts, each written atomically when don
 ids, so a killed run continues where it stopped and a changed prompt list regenerates only the shards it touches.
 
 Output (``torch.save``): {"model_id", "max_new_tokens", "temperature", "temperatures", "seed", "complete",
-"items": [{"prompt_ids", "response_ids", "source", "index", "category", "temperature"}]} (index = position in the
-prompt list); ``response_ids`` end with the stop token when the answer finished. A data card (JSON and Markdown) sits
+"items": [{"prompt_ids", "response_ids", "source", "index", "category", "temperature", "finish_reason"}]} (index =
+position in the prompt list); ``response_ids`` end with the stop token when the answer finished. The generated answers
+come first, in prompt order; then the answers the target already wrote inside synthesized multi-turn prompts (one
+item per such turn, marked with ``turn``: ``conversation_answers``). A data card (JSON and Markdown) sits
 next to it. ``generate_responses`` keeps the Hugging Face ``generate`` path as a reference.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, Callable, Generator, Iterable
 import torch
 from tqdm import tqdm
 
-from server.tokenization import encode_record, stop_token_ids
+from server.tokenization import encode_chat, encode_record, stop_token_ids
 
 MIN_PREFILL_CHUNK = 16     # prompt rows a step prefills even when the decoding sequences fill its budget
 DEFAULT_TEMPERATURES = (0.7, 1.0)
@@ -274,10 +276,31 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
     if len(done) + new_shards < len(shards):
         return {"model_id": target.model_id, "complete": False, "items": []}
     data = _merge(sdir, len(shards), target.model_id, s)
+    data["items"] += conversation_answers(records, tok, stops)
     data["records"] = len(records)
     _save_atomic(data, out)
     write_data_card(out, data, records, command, time.perf_counter() - t0)
     return data
+
+
+def conversation_answers(records: list[dict], tokenizer, stops: tuple[int, ...]) -> list[dict]:
+    """Answers the target already wrote: a synthesized multi-turn prompt holds the target's own greedy, finished answer
+    to its first turn (drafters/train/synth.py), so that answer joins the data as an item of its own, with no
+    generation (about 0.2 more answer tokens per generated one). Only ``synth`` records: an assistant turn in a
+    prompt file may be anybody's text. The answer is re-tokenized from its text, which the target's tokens decode to,
+    and ends with the end-of-turn token, as a finished answer does; ``turn`` marks the item."""
+    eot = tokenizer.eos_token_id if tokenizer.eos_token_id in stops else stops[0]
+    out = []
+    for index, rec in enumerate(records):
+        msgs = rec.get("messages", []) if rec.get("source") == "synth" else []
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant" or j == 0 or not m["content"].strip():
+                continue
+            response = list(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) + [eot]
+            out.append({"prompt_ids": encode_chat(tokenizer, msgs[:j]), "response_ids": response,
+                        "source": rec["source"], "index": index, "category": rec.get("category", rec["source"]),
+                        "temperature": 0.0, "finish_reason": "stop", "turn": j})
+    return out
 
 
 def _shard_ok(path: Path, key: str) -> bool:
@@ -358,6 +381,7 @@ def data_card(data: dict, records: list[dict], command: str | None, seconds: flo
         "model_id": data["model_id"], "command": command, "prompts": len(records), "answers": len(items),
         "answer_tokens": sum(lengths), "prompt_tokens": sum(len(it["prompt_ids"]) for it in items),
         "max_new_tokens": data["max_new_tokens"], "seed": data["seed"],
+        "from_conversations": sum("turn" in it for it in items),
         "finished": sum(it["finish_reason"] == "stop" for it in items),
         "cut_at_max_new_tokens": sum(it["finish_reason"] == "length" for it in items),
         "temperatures": {f"{t:g}": n for t, n in sorted(Counter(it["temperature"] for it in items).items())},
@@ -377,6 +401,8 @@ def card_markdown(card: dict) -> str:
              f"- command: `{card['command']}`" if card["command"] else "- command: (library call)",
              f"- prompts: {card['prompts']}, answers: {card['answers']}, answer tokens: {card['answer_tokens']}, "
              f"prompt tokens: {card['prompt_tokens']}",
+             f"- answers taken from multi-turn prompts (the target's first answer, no generation): "
+             f"{card['from_conversations']}",
              f"- finished with a stop token: {card['finished']}; cut at {card['max_new_tokens']} new tokens: "
              f"{card['cut_at_max_new_tokens']}",
              f"- temperatures (0 = greedy): {card['temperatures']}, seed {card['seed']}",

@@ -302,8 +302,15 @@ def test_answers_are_resumable_and_feed_glide_and_bigram(fp32_config, target32, 
     assert not part["complete"] and not (tmp_path / "two" / "responses.pt").exists()
     assert len(list(shard_dir(tmp_path / "two" / "responses.pt").glob("answers-*.pt"))) == 1
     two = answer(tmp_path / "two" / "responses.pt")
-    assert one["items"] == two["items"] and one["complete"] and len(one["items"]) == 6
-    items, stops = one["items"], stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    assert one["items"] == two["items"] and one["complete"] and len(one["items"]) == 7
+    items, stops = one["items"][:6], stop_token_ids(tokenizer, target32.args.eos_token_ids)
+    # The target's answer inside the synthesized conversation is an item too, with no generation.
+    turn = one["items"][6]
+    assert turn["turn"] == 1 and turn["index"] == 0 and turn["finish_reason"] == "stop"
+    assert turn["prompt_ids"] == encode_chat(tokenizer, conversation[:1])
+    assert tokenizer.decode(turn["response_ids"][:-1]) == "2 + 2 = 4." and turn["response_ids"][-1] in stops
+    assert turn["prompt_ids"] + turn["response_ids"] == encode_chat(tokenizer, conversation[:2])[:len(
+        turn["prompt_ids"]) + len(turn["response_ids"])]
     assert [it["index"] for it in items] == list(range(6))
     assert [it["temperature"] for it in items] == [answer_temperature(i, s) for i in range(6)]
     for it, rec in zip(items, records):
@@ -312,14 +319,15 @@ def test_answers_are_resumable_and_feed_glide_and_bigram(fp32_config, target32, 
     assert items[0]["prompt_ids"] == encode_chat(tokenizer, conversation)  # the whole conversation before the answer
     assert "2 + 2 = 4." in tokenizer.decode(items[0]["prompt_ids"])
     card = json.loads((tmp_path / "one" / "responses.card.json").read_text())
-    assert card["answers"] == 6 and card["answer_tokens"] == sum(len(it["response_ids"]) for it in items)
-    assert sum(card["answer_length_histogram"].values()) == 6 and sum(card["temperatures"].values()) == 6
+    assert card["answers"] == 7 and card["answer_tokens"] == sum(len(it["response_ids"]) for it in one["items"])
+    assert sum(card["answer_length_histogram"].values()) == 7 and sum(card["temperatures"].values()) == 7
+    assert card["from_conversations"] == 1
     assert card["user_turns"] == {"1": 5, "2": 1} and card["command"] == "specserve train data --limit 6"
-    assert "| math | 1 |" in (tmp_path / "one" / "responses.card.md").read_text()
+    assert "| math | 2 |" in (tmp_path / "one" / "responses.card.md").read_text()
     # GLIDE and the bigram table read the same file through ensure_data, without regenerating it.
     path, got = ensure_data(fp32_config, target32, tmp_path / "one" / "responses.pt", 12, 3, None, progress=False,
                             log=lambda m: None)
-    assert got == load_responses(path)["items"] == items
+    assert got == load_responses(path)["items"] == one["items"]
     count_bigrams([it["prompt_ids"] + it["response_ids"] for it in got], target32.args.vocab_size)
     # Without a file, ensure_data answers the default prompts (project prompts first) with the engine.
     path, fresh = ensure_data(fp32_config, target32, tmp_path / "fresh" / "responses.pt", 6, 3, 3, progress=False,
