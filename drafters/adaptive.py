@@ -19,16 +19,15 @@ it (`glide-adaptive`, `falcon-adaptive`): it loads the head and turns a drafted 
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoints"
+from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
 NUM_EXTRA = 3  # temperature, depth / 8, log q(Y)
 
 
@@ -72,29 +71,13 @@ class AcceptHead(nn.Module):
         return self.out(x)[:, 0]
 
     def save(self, path: Path, card: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: v.float().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path), metadata={"accept_head_config": json.dumps(asdict(self.c))})
-        if card is not None:
-            path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+        save_checkpoint(path, self.state_dict(), "accept_head_config", self.c, card, dtype=torch.float32)
 
     @classmethod
     def load(cls, path: Path) -> "AcceptHead":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not path.is_file():
-            raise AcceptHeadError(f"no acceptance head at {path}")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if "accept_head_config" not in meta:
-            raise AcceptHeadError(f"{path} is not an acceptance head (no accept_head_config metadata)")
-        head = cls(AcceptHeadConfig(**json.loads(meta["accept_head_config"])))
-        head.load_state_dict(load_file(str(path)))
+        config, state = read_checkpoint(path, "accept_head_config", AcceptHeadError, "acceptance head")
+        head = cls(AcceptHeadConfig(**config))
+        head.load_state_dict(state)
         return head.eval().requires_grad_(False)
 
 

@@ -21,7 +21,7 @@ import torch
 from core.tree import DraftTree, VerifyResult
 from drafters.base import SequenceView, TargetView
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+from drafters.checkpoint import CHECKPOINT_DIR
 MAX_MATCH = 64  # longer matches continue the same way; the cap bounds the search on degenerate repetitive text
 
 

@@ -24,8 +24,7 @@ the next step.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,7 +34,7 @@ from torch import nn
 
 from core.ops import Rope, apply_rope, linear, rms_norm
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
 
 
 class FalconCheckpointError(RuntimeError):
@@ -175,30 +174,13 @@ class FalconModel(nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, path: Path, card: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {key: (v.to(dtype) if v.is_floating_point() else v).contiguous()
-                 for key, v in self.state_dict().items() if not key.startswith("rope.")}
-        save_file(state, str(path), metadata={"falcon_config": json.dumps(asdict(self.c))})
-        if card is not None:
-            path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+        save_checkpoint(path, self.state_dict(), "falcon_config", self.c, card, dtype,
+                        skip=lambda k: k.startswith("rope."))
 
     @classmethod
     def load(cls, path: Path) -> "FalconModel":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not path.is_file():
-            raise FalconCheckpointError(f"no Falcon checkpoint at {path}")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if "falcon_config" not in meta:
-            raise FalconCheckpointError(f"{path} is not a Falcon checkpoint (no falcon_config metadata)")
-        model = cls(FalconConfig(**json.loads(meta["falcon_config"])))
-        state = load_file(str(path))
+        config, state = read_checkpoint(path, "falcon_config", FalconCheckpointError, "Falcon checkpoint")
+        model = cls(FalconConfig(**config))
         model.vocab_ids = torch.empty_like(state["vocab_ids"])
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("rope.")]

@@ -18,9 +18,8 @@ KV delay. A row that sees no key gets a zero cross-attention output.
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +29,7 @@ from torch import nn
 
 from core.ops import Rope, apply_rope, linear, rms_norm
 
-CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
 
 
 class GlideCheckpointError(RuntimeError):
@@ -278,31 +277,13 @@ class GlideModel(nn.Module):
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, path: Path, card: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
         """Weights (``dtype``) + config in one safetensors file; ``card`` goes next to it as JSON."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()
-                 if not k.startswith("rope.")}
-        save_file(state, str(path), metadata={"glide_config": json.dumps(asdict(self.c))})
-        if card is not None:
-            path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+        save_checkpoint(path, self.state_dict(), "glide_config", self.c, card, dtype,
+                        skip=lambda k: k.startswith("rope."))
 
     @classmethod
     def load(cls, path: Path) -> "GlideModel":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not path.is_file():
-            raise GlideCheckpointError(f"no GLIDE checkpoint at {path}")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if "glide_config" not in meta:
-            raise GlideCheckpointError(f"{path} is not a GLIDE checkpoint (no glide_config metadata)")
-        c = GlideConfig(**json.loads(meta["glide_config"]))
-        model = cls(c)
-        state = load_file(str(path))
+        config, state = read_checkpoint(path, "glide_config", GlideCheckpointError, "GLIDE checkpoint")
+        model = cls(GlideConfig(**config))
         model.vocab_ids = torch.empty_like(state["vocab_ids"])  # the subset size comes from the file
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("rope.")]
