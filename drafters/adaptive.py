@@ -19,6 +19,7 @@ it (`glide-adaptive`, `falcon-adaptive`): it loads the head and turns a drafted 
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,10 @@ class AcceptHeadConfig:
     hidden_size: int
     num_blocks: int = 3
     hidden_only: bool = False
+    # The drafter checkpoint whose states it learned: a file name in the target's checkpoint folder (the adaptive
+    # drafter's default checkpoint) and the file's digest (a head never reads another checkpoint's states).
+    drafter_checkpoint: str = ""
+    drafter_digest: str = ""
 
 
 class AcceptHead(nn.Module):
@@ -79,6 +84,15 @@ class AcceptHead(nn.Module):
         head = cls(AcceptHeadConfig(**config))
         head.load_state_dict(state)
         return head.eval().requires_grad_(False)
+
+
+def checkpoint_digest(path: Path) -> str:
+    """The first 16 hex digits of a file's SHA-256: which drafter weights a head was trained on."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def default_checkpoint(target_id: str, drafter: str) -> Path:
@@ -122,11 +136,26 @@ class AdaptiveLength:
     head: AcceptHead
     threshold: float
 
-    def _init_adaptive(self, target, drafter: str, hidden_size: int, accept_head: str | None,
-                       threshold: float) -> None:
+    @staticmethod
+    def _head_and_checkpoint(target, drafter: str, accept_head: str | None,
+                             checkpoint: str | None) -> tuple[AcceptHead, str | None]:
+        """The head, and the drafter checkpoint to load: the one given, else the one the head was trained on."""
+        head = load_accept_head(target, drafter, target.args.hidden_size, accept_head)
+        if checkpoint is None and head.c.drafter_checkpoint:
+            checkpoint = str(CHECKPOINT_DIR / target.model_id / head.c.drafter_checkpoint)
+        return head, checkpoint
+
+    def _init_adaptive(self, head: AcceptHead, drafter_file: Path, threshold: float) -> None:
         AdaptiveStop(threshold)  # validates it
+        if head.c.drafter_digest and checkpoint_digest(drafter_file) != head.c.drafter_digest:
+            trained_on = head.c.drafter_checkpoint or "digest " + head.c.drafter_digest
+            raise AcceptHeadError(
+                f"the {head.c.drafter} acceptance head was trained on the states of another {head.c.drafter} "
+                f"checkpoint ({trained_on}), not {drafter_file}; retrain it with `specserve train accept-head "
+                f"--drafter {head.c.drafter} --checkpoint {drafter_file}` or set the drafter's `checkpoint` option to "
+                "the checkpoint it was trained on")
         self.threshold = threshold
-        self.head = load_accept_head(target, drafter, hidden_size, accept_head)
+        self.head = head
 
     def _new_stop(self) -> AdaptiveStop:
         return AdaptiveStop(self.threshold)

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from core.sampling import SamplingParams, target_probs
-from drafters.adaptive import AcceptHead, AcceptHeadConfig, default_checkpoint
+from drafters.adaptive import AcceptHead, AcceptHeadConfig, checkpoint_digest, default_checkpoint
+from drafters.checkpoint import CHECKPOINT_DIR
 from drafters.train.glide import TeacherData, ensure_data, teacher_pass, work_dir
 
 
@@ -302,7 +303,15 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     t2 = time.perf_counter()
     log(f"{len(ex.label)} examples from {len(teacher)} sequences ({t2 - t1:.0f} s); greedy acceptance "
         f"{float(ex.label[ex.greedy].mean()):.3f}, sampled {float(ex.label[~ex.greedy].mean()):.3f}")
-    c = AcceptHeadConfig(target.model_id, drafter, hidden, opts.num_blocks, opts.hidden_only)
+    if drafter == "glide":
+        from drafters.glide.model import default_checkpoint as drafter_default
+    else:
+        from drafters.falcon.model import default_checkpoint as drafter_default
+    drafter_file = Path(checkpoint) if checkpoint else drafter_default(target.model_id)
+    shipped = drafter_file.resolve().parent == (CHECKPOINT_DIR / target.model_id).resolve()
+    c = AcceptHeadConfig(target.model_id, drafter, hidden, opts.num_blocks, opts.hidden_only,
+                         drafter_checkpoint=drafter_file.name if shipped else "",
+                         drafter_digest=checkpoint_digest(drafter_file))
     head, report = train_head(ex, opts, c, progress, log)
     card = {"target": target.model_id, "drafter": drafter, "architecture": asdict(c),
             "data": {"file": data_file.name, "sequences": len(items),

@@ -108,8 +108,11 @@ class BatchedGenerator:
     def max_seq_len(self) -> int:
         return self.engine.max_seq_len
 
-    def run(self, jobs: Iterable[Job], on_step: Callable[[int, int], None] | None = None) -> list:
-        """Every job's return value, in job order. ``on_step(tokens, jobs_done)`` follows each batched step."""
+    def run(self, jobs: Iterable[Job], on_step: Callable[[int, int], None] | None = None,
+            on_done: Callable[[int, Any], None] | None = None) -> list:
+        """Every job's return value, in job order. ``on_step(tokens, jobs_done)`` follows each batched step;
+        ``on_done(job index, return value)`` is called as each job returns, so a caller can stream many shards'
+        jobs through one run and keep the batch full across shard boundaries."""
         from server.engine.engine import RequestError
 
         pending, ready, running, results = enumerate(jobs), deque(), [], {}
@@ -120,6 +123,8 @@ class BatchedGenerator:
                 ready.append((jid, job, next(job) if result is None else job.send(result)))
             except StopIteration as stop:
                 results[jid] = stop.value
+                if on_done is not None:
+                    on_done(jid, stop.value)
 
         while True:
             done_before = len(results)
@@ -249,29 +254,39 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
     todo = [k for k in range(len(shards)) if k not in done]
     if done:
         log(f"{len(done)} of {len(shards)} answer shards already done in {sdir}")
-    gen, new_shards, t0, n_tok = None, 0, time.perf_counter(), 0
+    todo = todo if max_shards is None else todo[:max_shards]
+    t0, n_tok = time.perf_counter(), 0
     bar = tqdm(total=sum(len(shards[k]) for k in todo), desc="target answers", unit="prompt", disable=not progress,
                smoothing=0.05)
-    for k in todo:
-        if max_shards is not None and new_shards >= max_shards:
-            break
-        if gen is None:
-            longest = max(len(prompts[i]) for k2 in todo for i in shards[k2])
-            gen = BatchedGenerator(cfg, target, batch, longest + s.max_new_tokens + 1, step_tokens)
+    # Every shard left goes through one run: the next shard's prompts fill the slots the last one frees, so the batch
+    # stays full to the end instead of draining at each shard's tail. A shard is written once its last answer is in.
+    order = [(k, i) for k in todo for i in shards[k]]
+    got: dict[int, dict[int, GenResult]] = {k: {} for k in todo}
+    last_write, new_shards = time.perf_counter(), 0
 
-        def on_step(tokens: int, finished: int) -> None:
-            nonlocal n_tok
-            n_tok += tokens
-            bar.update(finished)
-            bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", refresh=False)
+    def on_step(tokens: int, finished: int) -> None:
+        nonlocal n_tok
+        n_tok += tokens
+        bar.update(finished)
+        bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}", refresh=False)
 
-        t_shard = time.perf_counter()
-        jobs = (single(GenRequest(prompts[i], answer_sampling(i, s), s.max_new_tokens, stops)) for i in shards[k])
-        results = gen.run(jobs, on_step)
-        items = [_item(i, records[i], prompts[i], r, answer_temperature(i, s)) for i, r in zip(shards[k], results)]
-        _save_atomic({"key": keys[k], "items": items, "seconds": time.perf_counter() - t_shard},
-                     sdir / f"answers-{k:05d}.pt")
-        new_shards += 1
+    def on_done(jid: int, result: GenResult) -> None:
+        nonlocal last_write, new_shards
+        k, i = order[jid]
+        got[k][i] = result
+        if len(got[k]) < len(shards[k]):
+            return
+        items = [_item(i, records[i], prompts[i], got[k][i], answer_temperature(i, s)) for i in shards[k]]
+        now = time.perf_counter()  # a shard's seconds: the wall time since the previous write (they sum to the run's)
+        _save_atomic({"key": keys[k], "items": items, "seconds": now - last_write}, sdir / f"answers-{k:05d}.pt")
+        del got[k]
+        last_write, new_shards = now, new_shards + 1
+
+    if order:
+        longest = max(len(prompts[i]) for _, i in order)
+        gen = BatchedGenerator(cfg, target, batch, longest + s.max_new_tokens + 1, step_tokens)
+        gen.run((single(GenRequest(prompts[i], answer_sampling(i, s), s.max_new_tokens, stops)) for _, i in order),
+                on_step, on_done)
     bar.close()
     if len(done) + new_shards < len(shards):
         return {"model_id": target.model_id, "complete": False, "items": []}

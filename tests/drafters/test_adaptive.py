@@ -193,3 +193,21 @@ def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tm
     with pytest.raises(AcceptHeadError, match=f"drafter '{drafter}'"):  # a head for the other drafter is refused
         create_drafter("falcon-adaptive" if drafter == "glide" else "glide-adaptive", target32,
                        {"accept_head": str(out)})
+
+
+def test_a_head_reads_only_the_drafter_checkpoint_it_was_trained_on(target32, tmp_path):
+    import dataclasses
+
+    from drafters.checkpoint import CHECKPOINT_DIR
+
+    head = AcceptHead.load(default_checkpoint(target32.model_id, "glide"))
+    assert head.c.drafter_checkpoint and head.c.drafter_digest  # the shipped head names its GLIDE checkpoint
+    trained_on = GlideModel.load(CHECKPOINT_DIR / target32.model_id / head.c.drafter_checkpoint)
+    drafter = create_drafter("glide-adaptive", target32)  # ... and glide-adaptive loads that one by default
+    mine = drafter.model.state_dict()
+    assert all(torch.equal(mine[k].cpu(), v.to(mine[k].dtype)) for k, v in trained_on.state_dict().items()
+               if v is not None and k in mine)
+    other = dataclasses.replace(head.c, drafter_digest="0" * 16)
+    AcceptHead(other).save(tmp_path / "other.safetensors")
+    with pytest.raises(AcceptHeadError, match="specserve train accept-head --drafter glide"):
+        create_drafter("glide-adaptive", target32, {"accept_head": str(tmp_path / "other.safetensors")})
