@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,6 +258,12 @@ def build_model(target, vocab_ids: torch.Tensor, cross_attention: bool = True, *
 
 
 # -- the whole pipeline (``specserve train glide``) ------------------------------------------------------------
+def data_sources(items: list[dict]) -> dict[str, int]:
+    """Answers per prompt source (`chat`, `humaneval`, `synth`, ...), the target's turns inside synthesized
+    conversations counted apart: what a checkpoint's card says it learned from."""
+    return dict(sorted(Counter(i.get("source", "") + ("-conversation" if "turn" in i else "") for i in items).items()))
+
+
 def work_dir(cfg, model_id: str) -> Path:
     from server.engine.weights import default_cache_dir
 
@@ -337,8 +344,11 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
             k: v for k, v in model.c.__dict__.items() if k not in ("extra",)},
         "data": {"file": data_file.name, "sequences": len(items),
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
-                 "prompts": "project chat prompts + HumanEval train split (drafters/train/prompts.py)",
-                 "answers": "the target's own greedy answers, max %d new tokens" % max_new_tokens,
+                 "prompts": data_sources(items),
+                 "answers": "the target's own answers (see the data file's card), at most %d new tokens"
+                 % max_new_tokens,
+                 "answers_by_temperature": {f"{t:g}": n for t, n in sorted(Counter(
+                     float(i.get("temperature", 0.0)) for i in items).items())},
                  "shipped_text_sequences": len(text_items),
                  "shipped_text_tokens": sum(len(i["response_ids"]) + 1 for i in text_items)},
         "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"}},
