@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-floor serve bench clean prometheus
+.PHONY: setup test test-floor serve bench clean prometheus jemalloc
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -45,8 +45,17 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
 
-serve: setup
-	$(VENV)/bin/specserve serve --config $(CONFIG)
+# jemalloc (Debian package) for the server: PyTorch's CPU path allocates and frees large temporaries every step, and
+# glibc's malloc hands those back to the kernel each time; measured here, plain bf16 decoding ran 1.13-1.26x faster
+# with jemalloc preloaded (README, Benchmarks). Installed when missing where apt-get is at hand; skipped otherwise.
+jemalloc:
+	@ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libjemalloc2 >/dev/null; \
+	  else echo "note: install the Debian package 'libjemalloc2' for faster CPU serving"; fi; }
+
+serve: setup jemalloc
+	LD_PRELOAD="$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n 1)" $(VENV)/bin/specserve serve --config $(CONFIG)
 
 bench: setup
 	$(VENV)/bin/specserve bench offline --config deploy/configs/compare.yaml \
