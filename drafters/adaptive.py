@@ -137,13 +137,16 @@ class AdaptiveLength:
     threshold: float
 
     @staticmethod
-    def _head_and_checkpoint(target, drafter: str, accept_head: str | None,
-                             checkpoint: str | None) -> tuple[AcceptHead, str | None]:
-        """The head, and the drafter checkpoint to load: the one given, else the one the head was trained on."""
+    def _head_and_checkpoint(target, drafter: str, accept_head: str | None, checkpoint: str | None,
+                             default: Path) -> tuple[AcceptHead, Path]:
+        """The head, and the drafter checkpoint to load: the one given, else the one the head was trained on, else
+        the drafter's ``default``."""
         head = load_accept_head(target, drafter, target.args.hidden_size, accept_head)
-        if checkpoint is None and head.c.drafter_checkpoint:
-            checkpoint = str(CHECKPOINT_DIR / target.model_id / head.c.drafter_checkpoint)
-        return head, checkpoint
+        if checkpoint is not None:
+            return head, Path(checkpoint)
+        if head.c.drafter_checkpoint:
+            return head, CHECKPOINT_DIR / target.model_id / head.c.drafter_checkpoint
+        return head, default
 
     def _init_adaptive(self, head: AcceptHead, drafter_file: Path, threshold: float) -> None:
         AdaptiveStop(threshold)  # validates it

@@ -232,6 +232,7 @@ class FalconAdaptiveDrafter(AdaptiveLength, FalconDrafter):
                  threshold: float = 0.5, max_forwards: int = 2):
         if not 1 <= max_forwards <= 2:
             raise ValueError("falcon-adaptive: max_forwards must be 1 or 2 (the head learned the first two blocks)")
-        head, checkpoint = self._head_and_checkpoint(target, "falcon", accept_head, checkpoint)
-        super().__init__(target, checkpoint, top_m=None, forwards=max_forwards, width=1, max_rows=MAX_TREE_ROWS)
-        self._init_adaptive(head, Path(checkpoint) if checkpoint else default_checkpoint(target.model_id), threshold)
+        head, path = self._head_and_checkpoint(target, "falcon", accept_head, checkpoint,
+                                               default_checkpoint(target.model_id))
+        super().__init__(target, str(path), top_m=None, forwards=max_forwards, width=1, max_rows=MAX_TREE_ROWS)
+        self._init_adaptive(head, path, threshold)

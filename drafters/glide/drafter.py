@@ -222,6 +222,7 @@ class GlideAdaptiveDrafter(AdaptiveLength, GlideDrafter):
     def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
                  threshold: float = 0.5, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
                  max_rows: int = 32):
-        head, checkpoint = self._head_and_checkpoint(target, "glide", accept_head, checkpoint)
-        super().__init__(target, checkpoint, max_gamma, cape, bins, max_rows)
-        self._init_adaptive(head, Path(checkpoint) if checkpoint else default_checkpoint(target.model_id), threshold)
+        head, path = self._head_and_checkpoint(target, "glide", accept_head, checkpoint,
+                                               default_checkpoint(target.model_id))
+        super().__init__(target, str(path), max_gamma, cape, bins, max_rows)
+        self._init_adaptive(head, path, threshold)
