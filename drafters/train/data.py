@@ -301,9 +301,9 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
 def conversation_answers(records: list[dict], tokenizer, stops: tuple[int, ...]) -> list[dict]:
     """Answers the target already wrote: a synthesized multi-turn prompt holds the target's own greedy, finished answer
     to its first turn (drafters/train/synth.py), so that answer joins the data as an item of its own, with no
-    generation (about 0.2 more answer tokens per generated one). Only ``synth`` records: an assistant turn in a
-    prompt file may be anybody's text. The answer is re-tokenized from its text, which the target's tokens decode to,
-    and ends with the end-of-turn token, as a finished answer does; ``turn`` marks the item."""
+    generation (259 answers, 4% more answer tokens, on the first 4,096 prompts of a run). Only ``synth`` records: an
+    assistant turn in a prompt file may be anybody's text. The answer is re-tokenized from its text, which the target's
+    tokens decode to, and ends with the end-of-turn token, as a finished answer does; ``turn`` marks the item."""
     eot = tokenizer.eos_token_id if tokenizer.eos_token_id in stops else stops[0]
     out = []
     for index, rec in enumerate(records):
@@ -383,6 +383,11 @@ def length_histogram(lengths: list[int], bins: tuple[int, ...] = LENGTH_BINS) ->
     return hist
 
 
+def temperature_counts(items: list[dict]) -> dict[str, int]:
+    """Answers per sampling temperature ("0" = greedy), as the data card and the checkpoints' cards report them."""
+    return {f"{t:g}": n for t, n in sorted(Counter(float(it.get("temperature", 0.0)) for it in items).items())}
+
+
 def data_card(data: dict, records: list[dict], command: str | None, seconds: float) -> dict:
     items = data["items"]
     lengths = [len(it["response_ids"]) for it in items]
@@ -399,7 +404,7 @@ def data_card(data: dict, records: list[dict], command: str | None, seconds: flo
         "from_conversations": sum("turn" in it for it in items),
         "finished": sum(it["finish_reason"] == "stop" for it in items),
         "cut_at_max_new_tokens": sum(it["finish_reason"] == "length" for it in items),
-        "temperatures": {f"{t:g}": n for t, n in sorted(Counter(it["temperature"] for it in items).items())},
+        "temperatures": temperature_counts(items),
         "user_turns": {str(k): v for k, v in sorted(turns.items())},
         "by_category": dict(sorted(by_cat.items())),
         "answer_length_histogram": length_histogram(lengths),

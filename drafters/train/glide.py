@@ -302,6 +302,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                     **model_overrides) -> Path:
     """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.model import default_checkpoint
+    from drafters.train.data import temperature_counts
     from server.engine.engine import load_target
     from server.engine.weights import load_tokenizer
     from server.tokenization import stop_token_ids
@@ -347,8 +348,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                  "prompts": data_sources(items),
                  "answers": "the target's own answers (see the data file's card), at most %d new tokens"
                  % max_new_tokens,
-                 "answers_by_temperature": {f"{t:g}": n for t, n in sorted(Counter(
-                     float(i.get("temperature", 0.0)) for i in items).items())},
+                 "answers_by_temperature": temperature_counts(items),
                  "shipped_text_sequences": len(text_items),
                  "shipped_text_tokens": sum(len(i["response_ids"]) + 1 for i in text_items)},
         "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"}},
