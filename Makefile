@@ -45,9 +45,9 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
 
-# jemalloc (Debian package) for the server: PyTorch's CPU path allocates and frees large temporaries every step, and
-# glibc's malloc hands those back to the kernel each time; measured here, plain bf16 decoding ran 1.13-1.26x faster
-# with jemalloc preloaded (README, Benchmarks). Installed when missing where apt-get is at hand; skipped otherwise.
+# jemalloc (Debian package) for the server: plain bf16 decoding ran 1.13-1.26x faster with it preloaded than with
+# glibc's malloc on a 2-core AMD EPYC (README, Benchmarks). Installed when missing where apt-get is at hand (as root);
+# skipped otherwise.
 jemalloc:
 	@ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
