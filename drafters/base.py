@@ -55,6 +55,9 @@ class SequenceView(Protocol):
     def target_hidden(self) -> torch.Tensor: ...  # last-layer hidden states of cached tokens [cache_len, hidden]
     @property
     def sampling(self) -> SamplingParams: ...  # the request's sampling parameters
+    @property
+    def max_rows(self) -> int: ...  # the row budget of this step's tree (root included, >= 2): rows past it are not
+    # verified, so a drafter stops drafting there (the load-aware budget lowers it when the server is busy)
 
 
 @runtime_checkable

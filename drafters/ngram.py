@@ -42,7 +42,8 @@ class NgramDrafter:
 
     def propose(self, seq: SequenceView) -> DraftTree:
         history = np.asarray(seq.tokens, dtype=np.int64)
-        return DraftTree.chain(int(history[-1]), lookup(history, self.max_ngram, self.min_ngram, self.num_tokens))
+        return DraftTree.chain(int(history[-1]), lookup(history, self.max_ngram, self.min_ngram,
+                                                        min(self.num_tokens, seq.max_rows - 1)))
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         pass

@@ -205,12 +205,15 @@ class CascadeDrafter:
     def propose(self, seq: SequenceView) -> DraftTree:
         branches: list[tuple[int, list[int]]] | None = [] if self.branch else None
         rows: list[tuple[int, torch.Tensor]] | None = [] if self.expand else None
-        draft = cascade_draft(seq, self.maxgram, self.reviewer, self.k11, self.k12, self.k21, self.leniency,
+        budget = seq.max_rows - 1  # draft tokens this step verifies
+        k12 = min(self.k12, budget)
+        draft = cascade_draft(seq, self.maxgram, self.reviewer, min(self.k11, k12), k12, self.k21, self.leniency,
                               self._generator(seq), branches, rows)
         expansions = review_expansions(rows, self.max_expand) if rows else []
         if not branches and not expansions:
             return DraftTree.chain(seq.tokens[-1], draft)
-        return cascade_tree(seq.tokens[-1], draft, branches or [], self.k12, expansions, self.bins, self.max_rows)
+        return cascade_tree(seq.tokens[-1], draft, branches or [], k12, expansions, self.bins,
+                            min(self.max_rows, seq.max_rows)).truncate(seq.max_rows)  # branches past the budget
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         self.reviewer.observe(seq, result)

@@ -131,7 +131,8 @@ class MaxGramDrafter:
 
     def propose(self, seq: SequenceView) -> DraftTree:
         tokens = seq.tokens
-        return DraftTree.chain(tokens[-1], self.maxgram.extend(tokens, seq.prompt_len, self.num_tokens))
+        return DraftTree.chain(tokens[-1], self.maxgram.extend(tokens, seq.prompt_len,
+                                                                min(self.num_tokens, seq.max_rows - 1)))
 
     def observe(self, seq: SequenceView, result: VerifyResult) -> None:
         pass

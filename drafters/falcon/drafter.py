@@ -61,6 +61,7 @@ class _Tree:
     root: int = 0          # the root's position
     stop: "AdaptiveStop | None" = None  # falcon-adaptive: the stopping rule of this proposal
     stopped: bool = False
+    max_rows: int = MAX_TREE_ROWS  # the drafter's tree size within the step's row budget
 
 
 def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> FalconModel:
@@ -141,12 +142,12 @@ class FalconDrafter:
             self._forward(st, tokens[start:b0], feats[:b0 - start], list(range(start, b0)), start - 1, kv_only=True)
         out = self._forward(st, tokens[b0:n + 1], feats[b0 - start:], list(range(b0, n + 1)), b0 - 1)
         st.cached = n
-        tree = _Tree([tokens[-1]], [-1], [], n, self._new_stop())
+        tree = _Tree([tokens[-1]], [-1], [], n, self._new_stop(), max_rows=min(self.max_rows, seq.max_rows))
         leaves: list[_Leaf] = []
         self._grow(seq, st, out, [], 0, 1.0, n + 1, tree, leaves)
         used = 0  # drafted rows in the cache past the verified ones
         for _ in range(self.forwards - 1):
-            if len(tree.tokens) >= self.max_rows or not leaves or tree.stopped:
+            if len(tree.tokens) >= tree.max_rows or not leaves or tree.stopped:
                 break
             leaves.sort(key=lambda leaf: -leaf.score)
             chosen, leaves = leaves[:self.width], leaves[self.width:]
@@ -194,7 +195,7 @@ class FalconDrafter:
             for rows, s in paths:
                 # Fresh candidates under every node (for unseeded sampling: independent draws per node).
                 for local in self._candidates(seq, st, probs[i], position + i, m):
-                    if len(tree.tokens) >= self.max_rows:
+                    if len(tree.tokens) >= tree.max_rows:
                         break
                     tree.tokens.append(int(self.vocab_ids[local]))
                     tree.parents.append(rows[-1])

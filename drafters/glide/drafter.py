@@ -132,13 +132,14 @@ class GlideDrafter:
 
     @torch.inference_mode()
     def propose(self, seq: SequenceView) -> DraftTree:
-        tokens = seq.tokens
-        st = self._state(seq, len(tokens) + self.gamma + 1)
+        tokens, max_rows = seq.tokens, min(self.max_rows, seq.max_rows)
+        gamma = min(self.gamma, seq.max_rows - 1)  # the step's row budget: drafting past it is never verified
+        st = self._state(seq, len(tokens) + gamma + 1)
         h = self._forward(seq, st, self._catch_up(seq, st, tokens))  # the root
         greedy, seed = seq.sampling.greedy, seq.sampling.seed
         stop = self._new_stop()
         chain, alts, confs, qs = [], [], [], []  # qs: the chain's q rows for unseeded sampling (seeded: point masses)
-        for i in range(self.gamma):
+        for i in range(gamma):
             logits = self.model.logits(h).float()  # [1, V_kept]
             probs = torch.softmax(logits, dim=-1)[0]
             if greedy:
@@ -165,13 +166,13 @@ class GlideDrafter:
             alts.append(self.vocab_ids[alt_local].tolist() if self.cape else [])
             if stop is not None and not stop.more(self._accept_prob(h, seq.sampling, i + 1, conf)):
                 break  # the chance of a rejection passed the threshold: verify what is drafted
-            if i + 1 < self.gamma:
+            if i + 1 < gamma:
                 h = self._forward(seq, st, [chain[-1]])
         chain_q = torch.stack(qs) if qs else None
         if not self.cape:
             return DraftTree.chain(tokens[-1], chain, None if chain_q is None else
                                    torch.cat([chain_q.new_zeros(1, chain_q.shape[1]), chain_q]))
-        return cape_tree(tokens[-1], chain, alts, confs, self.bins, self.max_rows, chain_q)
+        return cape_tree(tokens[-1], chain, alts, confs, self.bins, max_rows, chain_q)
 
     def _new_stop(self) -> AdaptiveStop | None:
         """A fixed-length chain drafts ``gamma`` tokens; the adaptive drafter stops earlier (drafters/adaptive.py)."""

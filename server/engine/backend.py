@@ -211,17 +211,20 @@ def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: 
             mask[i, :cache_lens[b] + 1] = 0.0
         rows = torch.tensor(members, device=device)
         plan.append((rows, torch.tensor([slots[b] for b in members], device=device), e,
-                     mask if dtype != torch.float32 else mask[:, None, None, :]))
+                     mask if dtype != torch.float32 else mask[:, None, None, :], []))
 
     def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
         B, H, D = q.shape
         Hkv = k_layer.shape[1]
         g = H // Hkv
         out = q.new_empty(q.shape) if len(plan) > 1 else None
-        for rows, slot_ids, e, mask in plan:
+        for rows, slot_ids, e, mask, buffers in plan:
             qr = q if out is None else q[rows]
-            k = k_layer[:, :, :e].index_select(0, slot_ids)  # [b, H_kv, e, D]
-            v = v_layer[:, :, :e].index_select(0, slot_ids)
+            if not buffers:  # the group's gather buffers, reused by every layer of the step (a fresh gather per
+                # layer faulted in new pages each time: at 256 sequences most of the step went to the kernel)
+                buffers += [k_layer.new_empty(len(slot_ids), Hkv, e, D) for _ in range(2)]
+            k = torch.index_select(k_layer[:, :, :e], 0, slot_ids, out=buffers[0])  # [b, H_kv, e, D]
+            v = torch.index_select(v_layer[:, :, :e], 0, slot_ids, out=buffers[1])
             if dtype == torch.float32:
                 o = F.scaled_dot_product_attention(qr.unsqueeze(2), k, v, attn_mask=mask,
                                                    enable_gqa=True).squeeze(2)  # [b, H, D]

@@ -79,6 +79,7 @@ class Sequence:
     generator: torch.Generator
     cache_len: int = 0
     finish_reason: str | None = None
+    max_rows: int = MAX_TREE_ROWS  # the row budget of the tree being drafted (root included)
     stats: SeqStats = field(default_factory=SeqStats)
 
     @property
@@ -141,6 +142,10 @@ class SeqView:
     @property
     def sampling(self) -> SamplingParams:
         return self._seq.sampling
+
+    @property
+    def max_rows(self) -> int:
+        return self._seq.max_rows
 
     def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._seq.cache_len
@@ -337,7 +342,8 @@ class Engine:
         emitted} (a prompt's first token comes with its last chunk).
 
         ``max_rows`` caps a sequence's tree rows (root included; default MAX_TREE_ROWS): at 1 the drafter is not
-        asked at all and the step is a plain decode step. A seeded request's tokens are a function of its seed and the
+        asked at all and the step is a plain decode step. The drafter sees the cap (``SequenceView.max_rows``), which
+        also stops at the tokens the request still wants and at the context's end. A seeded request's tokens are a function of its seed and the
         target's distributions (``core.sampling``), so neither the batch nor the draft changes them.
         """
         out: dict[int, list[int]] = {}
@@ -346,7 +352,11 @@ class Engine:
             if seq.finish_reason is not None:
                 out[seq.seq_id] = []
                 continue
-            cap = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, (max_rows or {}).get(seq.seq_id, MAX_TREE_ROWS))
+            # rows past the context, past the tokens the request still wants (a step emits at most its rows), or past
+            # the budget's allowance would be verified for nothing
+            cap = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated,
+                      (max_rows or {}).get(seq.seq_id, MAX_TREE_ROWS))
+            seq.max_rows = cap
             tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
             trees.append((seq, tree.truncate(cap), cap > 1))
             parts.append(self._tree_rows(seq, trees[-1][1]))

@@ -43,8 +43,11 @@ def test_lookup_prefers_longest_then_most_recent_match():
 def test_ngram_drafter_proposes_a_chain_rooted_at_last_token():
     class Seq:
         tokens = [1, 2, 3, 4, 1, 2]
+        max_rows = 64
 
     d = create_drafter("ngram", target=None, options={"num_tokens": 2})
     tree = d.propose(Seq())
     assert tree.tokens == [2, 3, 4] and tree.parents == [-1, 0, 1]
+    Seq.max_rows = 2  # the step's row budget: one draft token
+    assert d.propose(Seq()).tokens == [2, 3]
     assert create_drafter("none", target=None).propose(Seq()).tokens == [2]

@@ -109,9 +109,11 @@ def test_bigram_table_checks_and_the_shipped_one(tmp_path):
 
 def test_maxgram_drafter_chain():
     d = create_drafter("maxgram", _fake_target(), {"num_tokens": 4})
-    seq = SimpleNamespace(tokens=[10, 11, 12, 13, 99, 11, 12], prompt_len=4)
+    seq = SimpleNamespace(tokens=[10, 11, 12, 13, 99, 11, 12], prompt_len=4, max_rows=64)
     tree = d.propose(seq)
     assert tree.tokens[:3] == [12, 13, 99] and tree.parents == [-1, 0, 1, 2, 3] and tree.q is None
+    seq.max_rows = 3  # the step's row budget
+    assert d.propose(seq).tokens == [12, 13, 99]
     with pytest.raises(ValueError, match="num_tokens"):
         create_drafter("maxgram", _fake_target(), {"num_tokens": 0})
 

@@ -123,3 +123,19 @@ def test_target_view_exposes_verified_kv_and_hidden(tiny_engine):
     engine._forward(seq2, seen["tokens"][:5], torch.arange(5), None)
     torch.testing.assert_close(engine.pool.k[1, seq2.slot, :, :5], seen["k"])
     engine.release(seq2)
+
+
+def test_the_row_budget_stops_at_the_tokens_still_wanted(tiny_engine):
+    """A step emits at most its rows, so a tree never has more rows than the request still wants tokens, and the
+    drafter is told (``max_rows``) before it drafts; with one token left the step is a plain decode step."""
+    seen = []  # (tokens still wanted, the budget the drafter saw)
+
+    def tree_fn(view):
+        seen.append((5 - (len(view.tokens) - view.prompt_len), view.max_rows))
+        return DraftTree.chain(view.tokens[-1], [2] * 8)
+
+    engine = Engine(tiny_engine.cfg, _BadDrafter(tree_fn), tiny_engine.target)
+    out = engine.generate([2, 3, 4], max_new_tokens=5)
+    assert len(out.token_ids) == 5
+    assert seen and all(budget == min(wanted, 64) for wanted, budget in seen), seen
+    assert out.stats.draft_tokens == sum(wanted - 1 for wanted, _ in seen)  # what was verified: within the budget

@@ -258,18 +258,32 @@ def test_an_engine_fault_fails_that_step_and_frees_its_slots(cfg, target32, toke
 
 @pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
 def test_steps_without_drafts_keep_every_drafter_exact(name, cfg, target32, tokenizer):
-    """The budget may skip a drafter for some steps (a plain decode step); its state must follow anyway."""
+    """The budget may skip a drafter for some steps (a plain decode step) or give it fewer rows than it drafts: the
+    drafter drafts within the row budget it is handed, and its state follows anyway."""
     engine = Engine(cfg, create_drafter(name, target32, cfg.drafter.options_for(name)), target32)
     plain = Engine(cfg, create_drafter("none", target32), target32)
     stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
     ids = encode_chat(tokenizer, [{"role": "user", "content": "Write a Python function that adds two numbers."}])
     ref = plain.generate(ids, max_new_tokens=24, stop_token_ids=stops).token_ids
+    proposals = []  # (row budget, rows the drafter proposed)
+    propose = engine.drafter.propose
+
+    def recording(view):
+        tree = propose(view)
+        proposals.append((view.max_rows, tree.num_rows))
+        return tree
+
+    engine.drafter.propose = recording
     seq = engine.add(ids, max_new_tokens=24, stop_token_ids=stops)
     engine.prefill(seq)
+    pattern = [64, 1, 1, 2, 1, 3, 64, 1, 2]  # tree rows allowed per step; 1: no drafting
     step = 0
     while seq.finish_reason is None:
-        engine.run([seq], max_rows={seq.seq_id: 1 if step % 3 else 64})  # draft every third step only
+        engine.run([seq], max_rows={seq.seq_id: pattern[step % len(pattern)]})
         step += 1
     engine.release(seq)
     assert seq.output_ids == ref
     assert seq.stats.draft_tokens > 0
+    budgets = {b for b, _ in proposals}  # 64 cut to the tokens still wanted: 23 at the first step
+    assert {2, 3, 23} <= budgets
+    assert all(rows <= budget for budget, rows in proposals), proposals
