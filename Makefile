@@ -23,12 +23,17 @@ $(STAMP): $(PY) pyproject.toml
 
 setup: $(STAMP)
 
-# The metrics tests scrape the server with a real Prometheus (Debian package), installed here when missing.
-prometheus:
-	@command -v prometheus >/dev/null 2>&1 || { \
+# A Debian package, installed when missing where apt-get is at hand (as root), else a note: $(call apt_install,CHECK,PACKAGE,WHY)
+define apt_install
+	@$(1) >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-	  else echo "note: install the Debian package 'prometheus' to run the Prometheus scrape tests"; fi; }
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(2) >/dev/null; \
+	  else echo "note: install the Debian package '$(2)' $(3)"; fi; }
+endef
+
+# The metrics tests scrape the server with a real Prometheus.
+prometheus:
+	$(call apt_install,command -v prometheus,prometheus,to run the Prometheus scrape tests)
 
 test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -45,14 +50,10 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
 
-# jemalloc (Debian package) for the server: plain bf16 decoding ran 1.13-1.26x faster with it preloaded than with
-# glibc's malloc on a 2-core AMD EPYC (README, Benchmarks). Installed when missing where apt-get is at hand (as root);
-# skipped otherwise.
+# jemalloc for the server: plain bf16 decoding ran 1.13-1.26x faster with it preloaded than with glibc's malloc on a
+# 2-core AMD EPYC (README, Benchmarks).
 jemalloc:
-	@ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libjemalloc2 >/dev/null; \
-	  else echo "note: install the Debian package 'libjemalloc2' for faster CPU serving"; fi; }
+	$(call apt_install,ls /usr/lib/*/libjemalloc.so.2,libjemalloc2,for faster CPU serving)
 
 serve: setup jemalloc
 	LD_PRELOAD="$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n 1)" $(VENV)/bin/specserve serve --config $(CONFIG)
