@@ -66,7 +66,8 @@ class ServerConfig:
     port: int = 8000
     max_waiting: int = 64
     served_model_name: str | None = None
-    max_step_tokens: int | None = None  # rows per batched step (draft trees, then prompt chunks); null: measured
+    # rows per step: a row per decoding sequence, then prompt chunks (drafts come on top); null: measured
+    max_step_tokens: int | None = None
     draft_budget: str = "goodput"  # goodput: draft rows per sequence by measured step cost and acceptance; fixed
 
 

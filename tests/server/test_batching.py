@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.tree import DraftTree
 from drafters.base import create_drafter, drafter_names
 from server.config import config_from_dict
 from server.engine.engine import Engine
@@ -118,6 +119,38 @@ def test_a_long_prompt_is_chunked_while_other_streams_step(cfg, target32, tokeni
     short_ticks = client.arrivals["short"]
     assert short_ticks[:first_long] == list(range(first_long))  # a token every step while the long prompt prefilled
     assert client.tokens["long"] == whole
+
+
+class LongChainDrafter:
+    """Always drafts a 15-token chain (of token 0: mostly rejected): 16 verify rows every step."""
+    name = "long-chain"
+
+    def prefill(self, seq): pass
+    def propose(self, seq): return DraftTree.chain(seq.tokens[-1], [0] * min(15, seq.max_rows - 1))
+    def observe(self, seq, result): pass
+    def release(self, seq_id): pass
+
+
+def test_draft_rows_never_take_a_prompt_chunks_rows(cfg, target32, tokenizer):
+    """Prompt chunks are sized as for a plain step and draft rows come on top: a stream that drafts does not delay
+    another prompt's first token by a single step (drafting that crowded prompts out doubled TTFT under load)."""
+    long_text = " ".join(f"Item {i}: a red apple, a green pear." for i in range(30))
+    long_ids = encode_chat(tokenizer, [{"role": "user", "content": long_text + " How many items?"}])
+    short_ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPTS[2]}])
+    first = {}
+    for drafter in (create_drafter("none", target32), LongChainDrafter()):
+        engine = Engine(cfg, drafter, target32)
+        client = Client()
+        sched = Scheduler(engine, client.send, max_waiting=64, max_step_tokens=64, budget=DraftBudget.fixed())
+        submit(sched, "short", short_ids, 64, [])
+        sched.tick()
+        client.tick += 1
+        submit(sched, "long", long_ids, 2, [])
+        run(sched, client)
+        first[drafter.name] = client.arrivals["long"][0]
+        assert len(client.tokens["short"]) == 64
+    # the long prompt arrives at tick 1 and takes 63 rows a step (64 less the short stream's row)
+    assert first["long-chain"] == first["none"] == 1 + (-(-len(long_ids) // 63) - 1), first
 
 
 class CountingDrafter:
