@@ -275,6 +275,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     t0 = time.perf_counter()
     if drafter == "glide":
         from drafters.glide.drafter import load_glide
+        from drafters.glide.model import default_checkpoint as drafter_default
 
         model = load_glide(target, checkpoint)
         read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
@@ -288,6 +289,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
         hidden, build = model.c.target_hidden, draft_examples
     else:
         from drafters.falcon.drafter import load_falcon
+        from drafters.falcon.model import default_checkpoint as drafter_default
         from drafters.train.falcon import FeatureData, teacher_features
 
         model = load_falcon(target, checkpoint)
@@ -303,10 +305,6 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     t2 = time.perf_counter()
     log(f"{len(ex.label)} examples from {len(teacher)} sequences ({t2 - t1:.0f} s); greedy acceptance "
         f"{float(ex.label[ex.greedy].mean()):.3f}, sampled {float(ex.label[~ex.greedy].mean()):.3f}")
-    if drafter == "glide":
-        from drafters.glide.model import default_checkpoint as drafter_default
-    else:
-        from drafters.falcon.model import default_checkpoint as drafter_default
     drafter_file = Path(checkpoint) if checkpoint else drafter_default(target.model_id)
     shipped = drafter_file.resolve().parent == (CHECKPOINT_DIR / target.model_id).resolve()
     c = AcceptHeadConfig(target.model_id, drafter, hidden, opts.num_blocks, opts.hidden_only,

@@ -343,8 +343,9 @@ class Engine:
 
         ``max_rows`` caps a sequence's tree rows (root included; default MAX_TREE_ROWS): at 1 the drafter is not
         asked at all and the step is a plain decode step. The drafter sees the cap (``SequenceView.max_rows``), which
-        also stops at the tokens the request still wants and at the context's end. A seeded request's tokens are a function of its seed and the
-        target's distributions (``core.sampling``), so neither the batch nor the draft changes them.
+        also stops at the tokens the request still wants and at the context's end. A seeded request's tokens are a
+        function of its seed and the target's distributions (``core.sampling``), so neither the batch nor the draft
+        changes them.
         """
         out: dict[int, list[int]] = {}
         parts, trees = [], []

@@ -61,10 +61,6 @@ class DraftBudget:
         """A budget whose step cost (ms) interpolates a measured curve {rows: ms} (``stepcost.curve_cost``)."""
         return DraftBudget(curve_cost(curve), **kw)
 
-    def expected_rows(self, seq_id: int, allowed: int) -> int:
-        """Rows a sequence allowed ``allowed`` will likely verify."""
-        return min(allowed, self._rows.get(seq_id, allowed))
-
     def plan(self, seqs: list, fixed_rows: int = 0) -> dict[int, int]:
         """{seq_id: max tree rows (root included)} for the sequences that step next: 1 (a plain decode step) or what
         the drafter may propose; ``fixed_rows`` other rows (prompt chunks) share the step."""

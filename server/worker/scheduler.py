@@ -5,8 +5,8 @@ running sequence: a speculative step (its draft tree, sized by the load-aware ``
 prompt is cached, and prompt chunks of the admitted ones, filling the per-step token budget
 (``server.max_step_tokens``) after one row per decoding sequence; draft rows come on top. A long prompt is so
 prefilled over several steps while the other streams keep receiving tokens; its first token streams when its last
-chunk is done. Messages are read between two iterations, so an abort frees its slot within one step. ``busy_s()`` tells the worker's reader thread (health
-probes) how long the current engine call has run.
+chunk is done. Messages are read between two iterations, so an abort frees its slot within one step. ``busy_s()``
+tells the worker's reader thread (health probes) how long the current engine call has run.
 """
 from __future__ import annotations
 
