@@ -142,8 +142,18 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 def cmd_train_glide(a: argparse.Namespace) -> int:
     from drafters.train.glide import TrainOptions, run_train_glide
 
+    weights = []
+    for part in (a.source_weight or "").split(","):
+        if not part.strip():
+            continue
+        src, _, w = part.partition("=")
+        if not src.strip() or not w.strip().isdigit() or int(w) < 1:
+            raise ConfigError(f"--source-weight: SOURCE=N pairs with N >= 1, got {part!r}")
+        weights.append((src.strip(), int(w)))
+    if a.train_tokens < 0:
+        raise ConfigError("--train-tokens must be >= 0")
     opts = TrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, loss=a.loss, block_len=a.block_len,
-                        max_len=a.max_len, seed=a.seed)
+                        max_len=a.max_len, seed=a.seed, train_tokens=a.train_tokens, source_weights=tuple(weights))
     overrides = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                              "intermediate_size") if getattr(a, k) is not None}
     run_train_glide(_config(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
@@ -416,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")
     tg.add_argument("--text-tokens", type=int, default=600_000,
                     help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added for teacher forcing")
+    tg.add_argument("--train-tokens", type=int, default=0,
+                    help="train on a seeded subset of about this many answer tokens, shipped text apart (0 = all; "
+                    "the validation set stays the same: a learning curve)")
+    tg.add_argument("--source-weight", default="",
+                    help="comma-separated SOURCE=N: that prompt source's answers come N times per epoch "
+                    "(sources: chat, humaneval, synth, ...; see the data card)")
     tg.add_argument("--seed", type=int, default=0)
     for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,

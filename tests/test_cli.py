@@ -97,6 +97,13 @@ def test_train_accept_head_checks_its_temperatures(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("argv", [["--source-weight", "chat"], ["--source-weight", "chat=0"],
+                                  ["--source-weight", "=2"], ["--train-tokens", "-1"]])
+def test_train_glide_checks_its_data_options(argv, capsys):
+    assert main(["train", "glide", *argv]) == 2
+    assert argv[0] in capsys.readouterr().err
+
+
 def test_bench_steps_prints_the_step_cost_curve(tiny_dir, tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(f"model: {{source: {tiny_dir}, device: cpu}}\ncache: {{max_seq_len: 64}}\n")

@@ -4,7 +4,8 @@ Pipeline (each stage cached under ``<cache>/train/<target id>/`` so a rerun resu
   1. data     the target answers the training prompts (drafters/train/data.py);
   2. teacher  one target forward per training sequence stores the post-RoPE K/V of the target layers the drafter
               reads and the target's final-normed hidden states at the answer positions (its next-token
-              distributions, recomputed on the fly through the frozen LM head);
+              distributions, recomputed on the fly through the frozen LM head); cached by content, so a run on more
+              answers, on a subset of them (a learning curve) or after a kill computes only the sequences not seen;
   3. train    teacher forcing with the paper's block-wise cross-attention mask (a query in block i sees target K/V of
               blocks < i only, block length 5), loss = KL(target || drafter) or cross entropy on the target's tokens,
               over the drafter's kept vocabulary; AdamW with warmup and cosine decay; resumable checkpoints;
@@ -13,6 +14,8 @@ Pipeline (each stage cached under ``<cache>/train/<target id>/`` so a rerun resu
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 import time
@@ -26,6 +29,7 @@ from tqdm import tqdm
 
 from core.ops import rms_norm
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
+from drafters.train.data import stable_unit
 
 
 @dataclass
@@ -44,6 +48,8 @@ class TrainOptions:
     save_every: int = 100
     seed: int = 0
     autocast: bool = True          # bfloat16 autocast for the matmuls (AMX on CPU, tensor cores on GPU)
+    train_tokens: int = 0          # > 0: train on a seeded subset of about this many answer tokens (shipped text apart)
+    source_weights: tuple[tuple[str, int], ...] = ()  # (source, w): that source's answers come w times per epoch
 
 
 # -- teacher pass -------------------------------------------------------------------------------------------------
@@ -89,6 +95,84 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
                       .to("cpu", store_dtype).clone() if read_layers else torch.empty(0))
         out.hidden.append(normed.to("cpu", store_dtype).clone())
     return out
+
+
+def usable(item: dict, max_len: int) -> bool:
+    """Whether a sequence cut to ``max_len`` keeps at least one answer position (what ``teacher_pass`` keeps)."""
+    return len(item["response_ids"]) >= 1 and len(item["prompt_ids"]) < max_len
+
+
+def teacher_key(item: dict, max_len: int) -> str:
+    """What a sequence's teacher outputs depend on besides the target and the layers read: its tokens as cut."""
+    ids = (list(item["prompt_ids"]) + list(item["response_ids"]))[:max_len]
+    return hashlib.blake2b(json.dumps([len(item["prompt_ids"]), ids]).encode(), digest_size=16).hexdigest()
+
+
+def cached_teacher(target, items: list[dict], read_layers: list[int], max_len: int, cache: Path,
+                   shard_size: int = 512, progress: bool = True, log=print) -> tuple[TeacherData, list[int]]:
+    """``teacher_pass`` over the usable ``items``, cached by content in shards under ``cache`` (one directory per
+    target, layers read, max_len and dtype: the caller names it). Returns the data and, per row, the item's index.
+
+    Only sequences no shard holds are computed, in shards written as they finish: more answers, a subset of them or
+    a killed run cost only what is new."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = [i for i, it in enumerate(items) if usable(it, max_len)]
+    keys = [teacher_key(items[i], max_len) for i in rows]
+    want, found = set(keys), {}
+    for f in sorted(cache.glob("shard-*.pt")):
+        sh = torch.load(f, weights_only=True)
+        for j, k in enumerate(sh["keys"]):
+            if k in want and k not in found:
+                found[k] = (sh["tokens"][j], sh["answer_start"][j], sh["kv"][j], sh["hidden"][j])
+        del sh
+    todo = list(dict.fromkeys(k for k in keys if k not in found))
+    if found:
+        log(f"teacher cache {cache}: {len(want) - len(todo)} of {len(want)} sequences cached, {len(todo)} to compute")
+    first = {k: i for k, i in zip(reversed(keys), reversed(rows))}
+    for a in range(0, len(todo), shard_size):
+        part = todo[a:a + shard_size]
+        t = teacher_pass(target, [items[first[k]] for k in part], read_layers, max_len, progress=progress)
+        assert len(t) == len(part)
+        _save = {"keys": part, **t.__dict__}
+        name = hashlib.blake2b("".join(part).encode(), digest_size=8).hexdigest()
+        tmp = cache / f"shard-{name}.pt.tmp"
+        torch.save(_save, tmp)
+        tmp.replace(cache / f"shard-{name}.pt")
+        for j, k in enumerate(part):
+            found[k] = (t.tokens[j], t.answer_start[j], t.kv[j], t.hidden[j])
+    out = TeacherData([], [], [], [])
+    for k in keys:
+        tok, start, kv, hidden = found[k]
+        out.tokens.append(tok)
+        out.answer_start.append(start)
+        out.kv.append(kv)
+        out.hidden.append(hidden)
+    return out, rows
+
+
+def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[list[int], list[int]]:
+    """(train, validation) row lists. A sequence is held out by a hash of its prompt, so the validation set is the
+    same whatever subset or weighting trains; ``train_tokens`` keeps a seeded prefix of the rest (shipped text
+    always whole), and ``source_weights`` repeats a source's rows in each epoch."""
+    val, train = [], []
+    for r, i in enumerate(rows):
+        prompt = items[i]["prompt_ids"]
+        (val if stable_unit("glide-val", opts.seed, prompt) < opts.val_fraction else train).append(r)
+    if opts.train_tokens > 0:
+        answers = [r for r in train if not str(items[rows[r]].get("source", "")).startswith("text:")]
+        text = [r for r in train if r not in set(answers)]
+        random.Random(opts.seed).shuffle(answers)
+        kept, n = [], 0
+        for r in answers:
+            if n >= opts.train_tokens:
+                break
+            kept.append(r)
+            n += len(items[rows[r]]["response_ids"])
+        train = sorted(kept + text)
+    weights = dict(opts.source_weights)
+    train = [r for r in train for _ in range(weights.get(items[rows[r]].get("source", ""), 1))]
+    return train, val
 
 
 def vocab_by_frequency(items: list[dict], vocab_size: int, keep: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -177,13 +261,17 @@ def lr_at(step: int, opts: TrainOptions) -> float:
 
 
 def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: Path | None = None,
-          progress: bool = True, log=print) -> dict:
-    """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card."""
+          progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None) -> dict:
+    """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card. ``split``:
+    (train rows, repeats allowed; validation rows), else a seeded ``val_fraction`` of the rows is held out."""
     rng = random.Random(opts.seed)
-    order = list(range(len(data)))
-    rng.shuffle(order)
-    n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
-    val_idx, train_idx = order[:n_val], order[n_val:] or order
+    if split is None:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
+        val_idx, train_idx = order[:n_val], order[n_val:] or order
+    else:
+        train_idx, val_idx = split
     head_t, local = loss_tables(model)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -242,7 +330,9 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
                 tmp.replace(state_path)
     bar.close()
     return {"steps": step, "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
-            "train_sequences": len(train_idx), "val_sequences": len(val_idx)}
+            "train_sequences": len(set(train_idx)), "train_rows_per_epoch": len(train_idx),
+            "train_positions": sum(len(data.tokens[i]) - 1 - data.answer_start[i] for i in set(train_idx)),
+            "val_sequences": len(val_idx)}
 
 
 def build_model(target, vocab_ids: torch.Tensor, cross_attention: bool = True, **overrides) -> GlideModel:
@@ -329,17 +419,24 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
     wd = work_dir(cfg, target.model_id)
     wd.mkdir(parents=True, exist_ok=True)
-    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
-    teacher_file = wd / f"teacher-{tag}.pt"
-    if teacher_file.exists():
-        teacher = TeacherData(**torch.load(teacher_file, weights_only=True))
-    else:
-        teacher = teacher_pass(target, items + text_items, read, opts.max_len, progress=progress)
-        torch.save(teacher.__dict__, teacher_file)
+    everything = items + text_items
+    layers = f"{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
+    rows = [i for i, it in enumerate(everything) if usable(it, opts.max_len)]
+    train_rows, val_rows = split_rows(everything, rows, opts)
+    needed = sorted(set(train_rows) | set(val_rows))  # a subset run computes (and holds) only its own sequences
+    teacher, _ = cached_teacher(target, [everything[rows[r]] for r in needed], read, opts.max_len,
+                                wd / f"teacher-{layers}", progress=progress, log=log)
+    at = {r: j for j, r in enumerate(needed)}
+    split = ([at[r] for r in train_rows], [at[r] for r in val_rows])
+    log(f"training on {len(set(train_rows))} sequences ({len(train_rows)} per epoch with source weights), "
+        f"validating on {len(val_rows)}")
     # A resumable run is keyed by its data and recipe: a different run never resumes another's state.
-    recipe = f"{tag}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
+    digest = hashlib.blake2b(json.dumps([teacher_key(everything[rows[r]], opts.max_len) for r in train_rows]
+                                        + ["|"] + [teacher_key(everything[rows[r]], opts.max_len) for r in val_rows])
+                             .encode(), digest_size=6).hexdigest()
+    recipe = f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
     state_file = wd / f"{name}-{recipe}-train-state.pt"
-    summary = train(model, teacher, opts, state_file, progress=progress, log=log)
+    summary = train(model, teacher, opts, state_file, progress=progress, log=log, split=split)
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
             k: v for k, v in model.c.__dict__.items() if k not in ("extra",)},

@@ -295,6 +295,57 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     assert (path.with_suffix(".json")).read_text().strip().startswith("{")
 
 
+def test_the_teacher_cache_computes_each_sequence_once_and_matches_the_pass(target32, tmp_path, monkeypatch):
+    import drafters.train.glide as tg
+
+    g = torch.Generator().manual_seed(0)
+    items = [{"prompt_ids": torch.randint(5, 1000, (p,), generator=g).tolist(),
+              "response_ids": torch.randint(5, 1000, (r,), generator=g).tolist()}
+             for p, r in ((6, 9), (3, 14), (8, 5), (4, 0), (40, 3), (5, 7))]  # item 3: no answer; 4: prompt too long
+    computed = []
+    real = tg.teacher_pass
+
+    def counting(target, its, *a, **k):
+        computed.extend(tg.teacher_key(it, 32) for it in its)
+        return real(target, its, *a, **k)
+
+    monkeypatch.setattr(tg, "teacher_pass", counting)
+    layer = [target32.args.num_layers - 1]
+    data, rows = tg.cached_teacher(target32, items[:3], layer, 32, tmp_path / "t", shard_size=2, progress=False)
+    assert rows == [0, 1, 2] and len(computed) == 3
+    ref = real(target32, items[:3], layer, 32, progress=False)
+    for f in ("tokens", "answer_start", "kv", "hidden"):
+        assert all(torch.equal(torch.as_tensor(x), torch.as_tensor(y))
+                   for x, y in zip(getattr(data, f), getattr(ref, f))), f
+    # More items, reordered, unusable ones among them: only the new usable one is computed.
+    computed.clear()
+    data2, rows2 = tg.cached_teacher(target32, [items[5], items[3], items[2], items[4], items[0]], layer, 32,
+                                     tmp_path / "t", shard_size=2, progress=False)
+    assert rows2 == [0, 2, 4] and computed == [tg.teacher_key(items[5], 32)]
+    assert torch.equal(data2.hidden[1], ref.hidden[2]) and torch.equal(data2.kv[2], ref.kv[0])
+
+
+def test_the_validation_split_stays_put_under_subsets_and_weights():
+    from drafters.train.glide import TrainOptions, split_rows
+
+    items = [{"prompt_ids": [i, i + 1], "response_ids": [7] * (10 + i % 5), "source": "chat" if i % 4 else "synth"}
+             for i in range(200)]
+    items += [{"prompt_ids": [0], "response_ids": [1] * 50, "source": "text:x.md"} for _ in range(3)]
+    rows = list(range(len(items)))
+    train, val = split_rows(items, rows, TrainOptions(val_fraction=0.1))
+    assert 5 <= len(val) <= 40 and not set(train) & set(val) and len(train) + len(val) == len(items)
+    sub, val2 = split_rows(items, rows, TrainOptions(val_fraction=0.1, train_tokens=100))
+    assert val2 == val
+    answers = [r for r in sub if not items[r]["source"].startswith("text:")]
+    n = sum(len(items[r]["response_ids"]) for r in answers)
+    assert 100 <= n < 100 + 15 and set(sub) <= set(train)
+    assert {r for r in train if items[r]["source"].startswith("text:")} <= set(sub)  # shipped text stays whole
+    heavy, val3 = split_rows(items, rows, TrainOptions(val_fraction=0.1, source_weights=(("synth", 3),)))
+    assert val3 == val
+    for r in train:
+        assert heavy.count(r) == (3 if items[r]["source"] == "synth" else 1)
+
+
 def test_training_prompts_hold_out_benchmarks():
     import json
     from pathlib import Path
