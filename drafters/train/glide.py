@@ -226,12 +226,15 @@ def sequence_loss(model: GlideModel, data: TeacherData, i: int, opts: TrainOptio
 
 
 @torch.no_grad()
-def evaluate(model: GlideModel, data: TeacherData, idx: list[int], opts: TrainOptions, head_t, local) -> dict:
-    """Validation loss and top-1 agreement with the target, overall and by offset within the block (the KV delay)."""
+def evaluate(model: GlideModel, data: TeacherData, idx: list[int], opts: TrainOptions, head_t, local,
+             groups: dict[str, list[int]] | None = None) -> dict:
+    """Validation loss and top-1 agreement with the target, overall, by offset within the block (the KV delay) and
+    by ``groups`` (name -> rows of ``idx``, e.g. answers vs shipped text, whose mix would otherwise hide a trend)."""
     model.eval()
     tot_loss = tot_n = 0.0
     by_pos = torch.zeros(opts.block_len)
     cnt_pos = torch.zeros(opts.block_len)
+    per_row = {}
     for i in idx:
         loss, n, agree = sequence_loss(model, data, i, opts, head_t, local)
         tot_loss += float(loss)
@@ -239,9 +242,15 @@ def evaluate(model: GlideModel, data: TeacherData, idx: list[int], opts: TrainOp
         pos = (torch.arange(data.answer_start[i], data.answer_start[i] + n)) % opts.block_len
         by_pos.index_add_(0, pos, agree.float())
         cnt_pos.index_add_(0, pos, torch.ones(n))
+        per_row[i] = (float(agree.float().sum()), n)
     model.train()
-    return {"loss": tot_loss / max(1, tot_n), "agreement": float(by_pos.sum() / cnt_pos.sum().clamp(min=1)),
-            "agreement_by_delay": [round(float(x), 4) for x in (by_pos / cnt_pos.clamp(min=1))]}
+    out = {"loss": tot_loss / max(1, tot_n), "agreement": float(by_pos.sum() / cnt_pos.sum().clamp(min=1)),
+           "agreement_by_delay": [round(float(x), 4) for x in (by_pos / cnt_pos.clamp(min=1))]}
+    if groups:
+        out["agreement_by_group"] = {
+            name: round(sum(per_row[i][0] for i in rows) / max(1, sum(per_row[i][1] for i in rows)), 4)
+            for name, rows in groups.items() if rows}
+    return out
 
 
 def loss_tables(model: GlideModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,9 +270,11 @@ def lr_at(step: int, opts: TrainOptions) -> float:
 
 
 def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: Path | None = None,
-          progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None) -> dict:
+          progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None,
+          val_groups: dict[str, list[int]] | None = None) -> dict:
     """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card. ``split``:
-    (train rows, repeats allowed; validation rows), else a seeded ``val_fraction`` of the rows is held out."""
+    (train rows, repeats allowed; validation rows), else a seeded ``val_fraction`` of the rows is held out;
+    ``val_groups``: validation rows by name, each group's agreement reported apart."""
     rng = random.Random(opts.seed)
     if split is None:
         order = list(range(len(data)))
@@ -287,7 +298,7 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
         rng.setstate(st["rng"])
         log(f"resumed from {state_path} at step {step}")
     model.train()
-    first = evaluate(model, data, val_idx, opts, head_t, local) if val_idx and step == 0 else None
+    first = evaluate(model, data, val_idx, opts, head_t, local, val_groups) if val_idx and step == 0 else None
     if first:
         log(f"step 0: val loss {first['loss']:.4f} agreement {first['agreement']:.4f}")
         history.append({"step": 0, **first})
@@ -318,11 +329,12 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / n_tok:.4f}", lr=f"{lr_at(step - 1, opts):.2e}")
         if step % opts.save_every == 0 or step == opts.steps:
-            ev = evaluate(model, data, val_idx, opts, head_t, local) if val_idx else {}
+            ev = evaluate(model, data, val_idx, opts, head_t, local, val_groups) if val_idx else {}
             history.append({"step": step, "train_loss": loss_sum / n_tok, **ev})
             if ev:
                 log(f"step {step}: train loss {loss_sum / n_tok:.4f} val loss {ev['loss']:.4f} "
-                    f"agreement {ev['agreement']:.4f} by delay {ev['agreement_by_delay']}")
+                    f"agreement {ev['agreement']:.4f} by delay {ev['agreement_by_delay']} "
+                    f"by group {ev.get('agreement_by_group', {})}")
             if state_path is not None:
                 tmp = Path(state_path).with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
@@ -436,7 +448,11 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                              .encode(), digest_size=6).hexdigest()
     recipe = f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
     state_file = wd / f"{name}-{recipe}-train-state.pt"
-    summary = train(model, teacher, opts, state_file, progress=progress, log=log, split=split)
+    groups: dict[str, list[int]] = {}
+    for j, r in zip(split[1], val_rows):  # by prompt source, shipped text as one: a learning curve reads answers'
+        src = str(everything[rows[r]].get("source", "")) or "answers"
+        groups.setdefault("text" if src.startswith("text:") else src, []).append(j)
+    summary = train(model, teacher, opts, state_file, progress=progress, log=log, split=split, val_groups=groups)
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
             k: v for k, v in model.c.__dict__.items() if k not in ("extra",)},

@@ -270,8 +270,15 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     idx = list(range(len(teacher)))
     before = evaluate(model, teacher, idx, opts, head_t, local)["loss"]
     train(model, teacher, opts, tmp_path / "state.pt", progress=False, log=lambda m: None)
-    after = evaluate(model, teacher, idx, opts, head_t, local)["loss"]
+    ev = evaluate(model, teacher, idx, opts, head_t, local, groups={"a": idx[:1], "b": idx[1:]})
+    after = ev["loss"]
     assert after < before * 0.9, (before, after)
+    # Per-group agreement: each group's own, and the groups weighted by their positions give the overall figure.
+    n = [len(teacher.tokens[i]) - 1 - teacher.answer_start[i] for i in idx]
+    one = evaluate(model, teacher, idx[:1], opts, head_t, local)["agreement"]
+    assert ev["agreement_by_group"]["a"] == round(one, 4)
+    mixed = (ev["agreement_by_group"]["a"] * n[0] + ev["agreement_by_group"]["b"] * sum(n[1:])) / sum(n)
+    assert abs(mixed - ev["agreement"]) < 1e-3
     # Resuming a finished run is a no-op that keeps the weights.
     w = model.layers[0].wqkv.detach().clone()
     train(model, teacher, opts, tmp_path / "state.pt", progress=False, log=lambda m: None)
