@@ -151,6 +151,11 @@ def cached_teacher(target, items: list[dict], read_layers: list[int], max_len: i
     return out, rows
 
 
+def is_shipped_text(item: dict) -> bool:
+    """A sequence of shipped text (``drafters/train/text.py``), not an answer of the target."""
+    return str(item.get("source", "")).startswith("text:")
+
+
 def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[list[int], list[int]]:
     """(train, validation) row lists. A sequence is held out by a hash of its prompt, so the validation set is the
     same whatever subset or weighting trains; ``train_tokens`` keeps a seeded prefix of the rest (shipped text
@@ -160,7 +165,7 @@ def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[
         prompt = items[i]["prompt_ids"]
         (val if stable_unit("glide-val", opts.seed, prompt) < opts.val_fraction else train).append(r)
     if opts.train_tokens > 0:
-        answers = [r for r in train if not str(items[rows[r]].get("source", "")).startswith("text:")]
+        answers = [r for r in train if not is_shipped_text(items[rows[r]])]
         text = [r for r in train if r not in set(answers)]
         random.Random(opts.seed).shuffle(answers)
         kept, n = [], 0
@@ -450,8 +455,8 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     state_file = wd / f"{name}-{recipe}-train-state.pt"
     groups: dict[str, list[int]] = {}
     for j, r in zip(split[1], val_rows):  # by prompt source, shipped text as one: a learning curve reads answers'
-        src = str(everything[rows[r]].get("source", "")) or "answers"
-        groups.setdefault("text" if src.startswith("text:") else src, []).append(j)
+        it = everything[rows[r]]
+        groups.setdefault("text" if is_shipped_text(it) else str(it.get("source", "")) or "answers", []).append(j)
     summary = train(model, teacher, opts, state_file, progress=progress, log=log, split=split, val_groups=groups)
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
