@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,6 +70,7 @@ class FeatureData:
     tokens: list[torch.Tensor]   # per sequence [T] long
     answer_start: list[int]      # prompt_len - 1: the first position whose next token is an answer token
     feats: list[torch.Tensor]    # per sequence [T, hidden] post-norm target features (bfloat16)
+    index: list[int] = field(default_factory=list)  # per sequence: its position in the items the pass read
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -85,7 +86,7 @@ def teacher_features(target, items: list[dict], max_len: int, progress: bool = T
     k = torch.zeros(a.num_layers, a.num_kv_heads, max_len, a.head_dim, dtype=target.dtype, device=dev)
     v = torch.zeros_like(k)
     out = FeatureData([], [], [])
-    for it in tqdm(items, desc="teacher pass", unit="seq", disable=not progress):
+    for n, it in enumerate(tqdm(items, desc="teacher pass", unit="seq", disable=not progress)):
         ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
         start = len(it["prompt_ids"]) - 1
         if len(ids) - 1 - start < 3:
@@ -95,6 +96,7 @@ def teacher_features(target, items: list[dict], max_len: int, progress: bool = T
         h = model(tok, torch.arange(len(ids), device=dev), [Segment(0, len(ids), k, v, 0, None, attn)])
         out.tokens.append(tok.cpu())
         out.answer_start.append(start)
+        out.index.append(n)
         out.feats.append(target.final_norm(h).to("cpu", torch.bfloat16).clone())
     return out
 
@@ -201,13 +203,16 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
 
 
 @torch.no_grad()
-def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: FalconTrainOptions, tables: dict) -> dict:
+def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: FalconTrainOptions, tables: dict,
+             groups: dict[str, list[int]] | None = None) -> dict:
     """Held-out agreement with the target's top-1: per position of the first drafted block (teacher-forced inputs)
-    and for the second block (inputs the drafter guessed, no glancing)."""
+    and for the second block (inputs the drafter guessed, no glancing); the first block's also by ``groups`` (name ->
+    sequences of ``idx``, e.g. by prompt source)."""
     model.eval()
     k = model.c.k
     tot = n = 0.0
     hit_t, cnt_t, hit_p, cnt_p = [0] * k, [0] * k, 0, 0
+    per_seq = {}
     for i in idx:
         r = sequence_loss(model, data, i, opts, tables, train=False)
         if r is None:
@@ -220,10 +225,17 @@ def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: Falcon
             cnt_t[j] += c
         hit_p += st["agree_pred"][0]
         cnt_p += st["agree_pred"][1]
+        per_seq[i] = (sum(h for h, _ in st["agree_true"]), sum(c for _, c in st["agree_true"]))
     model.train()
     by_pos = [round(h / max(1, c), 4) for h, c in zip(hit_t, cnt_t)]
-    return {"loss": tot / max(1, n), "agreement": round(sum(hit_t) / max(1, sum(cnt_t)), 4),
-            "agreement_by_position": by_pos, "agreement_second_block": round(hit_p / max(1, cnt_p), 4)}
+    out = {"loss": tot / max(1, n), "agreement": round(sum(hit_t) / max(1, sum(cnt_t)), 4),
+           "agreement_by_position": by_pos, "agreement_second_block": round(hit_p / max(1, cnt_p), 4)}
+    if groups:
+        out["agreement_by_group"] = {
+            name: round(sum(per_seq[i][0] for i in rows if i in per_seq)
+                        / max(1, sum(per_seq[i][1] for i in rows if i in per_seq)), 4)
+            for name, rows in groups.items() if rows}
+    return out
 
 
 def loss_tables(model: FalconModel) -> dict:
@@ -234,13 +246,19 @@ def loss_tables(model: FalconModel) -> dict:
 
 
 def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state_path: Path | None = None,
-          progress: bool = True, log=print) -> dict:
-    """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card."""
+          progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None,
+          val_groups: dict[str, list[int]] | None = None) -> dict:
+    """Train in place; resumes from ``state_path`` when it exists. Returns a summary for the card. ``split``:
+    (train, validation) sequences, else a seeded ``val_fraction`` of them is held out; ``val_groups``: validation
+    sequences by name, each group's agreement reported apart."""
     rng = random.Random(opts.seed)
-    order = list(range(len(data)))
-    rng.shuffle(order)
-    n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
-    val_idx, train_idx = order[:n_val], order[n_val:] or order
+    if split is None:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
+        val_idx, train_idx = order[:n_val], order[n_val:] or order
+    else:
+        train_idx, val_idx = split
     tables = loss_tables(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
@@ -256,7 +274,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
         log(f"resumed from {state_path} at step {step}")
     model.train()
     if val_idx and step == 0:
-        first = evaluate(model, data, val_idx, opts, tables)
+        first = evaluate(model, data, val_idx, opts, tables, val_groups)
         log(f"step 0: val {first}")
         history.append({"step": 0, **first})
     cursor: list[int] = []
@@ -288,7 +306,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / n_rows:.4f}", lam=f"{lam:.2f}", ham=ham)
         if step % opts.save_every == 0 or step == opts.steps:
-            ev = evaluate(model, data, val_idx, opts, tables) if val_idx else {}
+            ev = evaluate(model, data, val_idx, opts, tables, val_groups) if val_idx else {}
             history.append({"step": step, "train_loss": loss_sum / n_rows, **ev})
             if ev:
                 log(f"step {step}: train loss {loss_sum / n_rows:.4f} val {ev}")
@@ -300,6 +318,22 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
     bar.close()
     return {"steps": step, "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
             "train_sequences": len(train_idx), "val_sequences": len(val_idx)}
+
+
+def hash_split(data: FeatureData, items: list[dict], opts: FalconTrainOptions):
+    """((train, validation) sequences, validation sequences by prompt source): held out by a hash of the prompt, the
+    same prompts GLIDE's training holds out (``drafters.train.glide.held_out``), so the two read alike."""
+    from drafters.train.glide import held_out, is_shipped_text
+
+    train_idx, val_idx, groups = [], [], {}
+    for i, n in enumerate(data.index):
+        it = items[n]
+        if held_out(it["prompt_ids"], opts.seed, opts.val_fraction):
+            val_idx.append(i)
+            groups.setdefault("text" if is_shipped_text(it) else str(it.get("source", "")) or "answers", []).append(i)
+        else:
+            train_idx.append(i)
+    return (train_idx, val_idx), groups
 
 
 def build_model(target, vocab_ids: torch.Tensor, k: int = 2) -> FalconModel:
@@ -341,16 +375,18 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     wd.mkdir(parents=True, exist_ok=True)
     tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}"
     feat_file = wd / f"features-{tag}.pt"
-    if feat_file.exists():
-        data = FeatureData(**torch.load(feat_file, weights_only=True))
-    else:
+    data = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
+    if data is None or len(data.index) != len(data):  # none yet, or written before sequences kept their item index
         t0 = time.perf_counter()
         data = teacher_features(target, items + text_items, opts.max_len, progress=progress)
         torch.save(data.__dict__, feat_file)
         log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
-              f"{len(vocab_ids)}-w{opts.w_dist:g}-r")
-    summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log)
+              f"{len(vocab_ids)}-w{opts.w_dist:g}-h")
+    split, groups = hash_split(data, items + text_items, opts)
+    log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")
+    summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log,
+                    split=split, val_groups=groups)
     card = {
         "target": target.model_id, "drafter": "falcon",
         "architecture": {key: v for key, v in model.c.__dict__.items() if key != "extra"},

@@ -156,14 +156,19 @@ def is_shipped_text(item: dict) -> bool:
     return str(item.get("source", "")).startswith("text:")
 
 
+def held_out(prompt_ids, seed: int, val_fraction: float) -> bool:
+    """Whether a sequence is in the validation set: by a hash of its prompt, so every drafter's training (GLIDE,
+    Falcon) holds out the same prompts whatever subset or weighting it trains on."""
+    return stable_unit("glide-val", seed, list(prompt_ids)) < val_fraction
+
+
 def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[list[int], list[int]]:
     """(train, validation) row lists. A sequence is held out by a hash of its prompt, so the validation set is the
     same whatever subset or weighting trains; ``train_tokens`` keeps a seeded prefix of the rest (shipped text
     always whole), and ``source_weights`` repeats a source's rows in each epoch."""
     val, train = [], []
     for r, i in enumerate(rows):
-        prompt = items[i]["prompt_ids"]
-        (val if stable_unit("glide-val", opts.seed, prompt) < opts.val_fraction else train).append(r)
+        (val if held_out(items[i]["prompt_ids"], opts.seed, opts.val_fraction) else train).append(r)
     if opts.train_tokens > 0:
         answers = [r for r in train if not is_shipped_text(items[rows[r]])]
         text = [r for r in train if r not in set(answers)]

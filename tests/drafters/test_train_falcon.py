@@ -7,8 +7,9 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from drafters.train.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, sequence_loss,
-                                   teacher_features, train, two_stream_mask)
+from drafters.train.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split,
+                                   sequence_loss, teacher_features, train, two_stream_mask)
+from drafters.train.glide import TrainOptions, split_rows
 
 
 def test_two_stream_mask_shows_a_guessed_block_verified_context_only():
@@ -64,3 +65,23 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     model.save(tmp_path / "falcon.safetensors", {"note": "test"})
     again = FalconModel.load(tmp_path / "falcon.safetensors")
     assert torch.equal(again.vocab_ids, model.vocab_ids) and again.c == model.c
+
+
+def test_falcon_holds_out_the_prompts_glide_holds_out_and_reports_them_by_source(target32):
+    """The validation split is GLIDE's (by prompt hash), read through the teacher pass's item index, which skips
+    sequences too short to train on; its groups are the prompt sources."""
+    items = []
+    for i in range(40):
+        answer = list(range(200 + i, 210 + i)) if i % 7 else [5]  # every 7th answer is too short: skipped
+        items.append({"prompt_ids": [1, 2, 3 + i], "response_ids": answer,
+                      "source": "text:doc" if i % 5 == 0 else ("chat" if i % 2 else "synth")})
+    data = teacher_features(target32, items, max_len=32, progress=False)
+    assert len(data) == 34 and data.index == [i for i in range(40) if i % 7]
+    opts = FalconTrainOptions(val_fraction=0.3)
+    (train_idx, val_idx), groups = hash_split(data, items, opts)
+    glide_train, glide_val = split_rows(items, data.index, TrainOptions(val_fraction=0.3, seed=opts.seed))
+    assert val_idx == glide_val and train_idx == glide_train and 0 < len(val_idx) < len(data)
+    assert sorted(i for rows in groups.values() for i in rows) == val_idx
+    for name, rows in groups.items():
+        sources = {items[data.index[i]]["source"] for i in rows}
+        assert sources == ({"text:doc"} if name == "text" else {name})
