@@ -80,7 +80,7 @@ def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> Fal
 class FalconDrafter:
     name = "falcon"
 
-    def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple | None = (3, 2),
+    def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple | None = None,
                  forwards: int = 1, width: int = 1, max_rows: int = 10):
         self.model = load_falcon(target, checkpoint)
         self.c = self.model.c
