@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
-from drafters.train.glide import coverage, ensure_data, lr_at, vocab_by_frequency, work_dir
+from drafters.train.glide import coverage, ensure_data, lr_at, seeded_split, vocab_by_frequency, work_dir
 
 
 @dataclass
@@ -252,13 +252,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
     (train, validation) sequences, else a seeded ``val_fraction`` of them is held out; ``val_groups``: validation
     sequences by name, each group's agreement reported apart."""
     rng = random.Random(opts.seed)
-    if split is None:
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
-        val_idx, train_idx = order[:n_val], order[n_val:] or order
-    else:
-        train_idx, val_idx = split
+    train_idx, val_idx = split if split is not None else seeded_split(len(data), opts.val_fraction, rng)
     tables = loss_tables(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
@@ -323,14 +317,14 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
 def hash_split(data: FeatureData, items: list[dict], opts: FalconTrainOptions):
     """((train, validation) sequences, validation sequences by prompt source): held out by a hash of the prompt, the
     same prompts GLIDE's training holds out (``drafters.train.glide.held_out``), so the two read alike."""
-    from drafters.train.glide import held_out, is_shipped_text
+    from drafters.train.glide import held_out, source_group
 
     train_idx, val_idx, groups = [], [], {}
     for i, n in enumerate(data.index):
         it = items[n]
         if held_out(it["prompt_ids"], opts.seed, opts.val_fraction):
             val_idx.append(i)
-            groups.setdefault("text" if is_shipped_text(it) else str(it.get("source", "")) or "answers", []).append(i)
+            groups.setdefault(source_group(it), []).append(i)
         else:
             train_idx.append(i)
     return (train_idx, val_idx), groups

@@ -156,6 +156,19 @@ def is_shipped_text(item: dict) -> bool:
     return str(item.get("source", "")).startswith("text:")
 
 
+def source_group(item: dict) -> str:
+    """The name a validation sequence is reported under: its prompt source, shipped text as one group."""
+    return "text" if is_shipped_text(item) else str(item.get("source", "")) or "answers"
+
+
+def seeded_split(n: int, val_fraction: float, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(train, validation) of n sequences when no split is given: a ``val_fraction`` drawn with ``rng``."""
+    order = list(range(n))
+    rng.shuffle(order)
+    n_val = max(1, int(n * val_fraction)) if n > 1 else 0
+    return order[n_val:] or order, order[:n_val]
+
+
 def held_out(prompt_ids, seed: int, val_fraction: float) -> bool:
     """Whether a sequence is in the validation set: by a hash of its prompt, so every drafter's training (GLIDE,
     Falcon) holds out the same prompts whatever subset or weighting it trains on."""
@@ -286,13 +299,7 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
     (train rows, repeats allowed; validation rows), else a seeded ``val_fraction`` of the rows is held out;
     ``val_groups``: validation rows by name, each group's agreement reported apart."""
     rng = random.Random(opts.seed)
-    if split is None:
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        n_val = max(1, int(len(order) * opts.val_fraction)) if len(order) > 1 else 0
-        val_idx, train_idx = order[:n_val], order[n_val:] or order
-    else:
-        train_idx, val_idx = split
+    train_idx, val_idx = split if split is not None else seeded_split(len(data), opts.val_fraction, rng)
     head_t, local = loss_tables(model)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -460,8 +467,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     state_file = wd / f"{name}-{recipe}-train-state.pt"
     groups: dict[str, list[int]] = {}
     for j, r in zip(split[1], val_rows):  # by prompt source, shipped text as one: a learning curve reads answers'
-        it = everything[rows[r]]
-        groups.setdefault("text" if is_shipped_text(it) else str(it.get("source", "")) or "answers", []).append(j)
+        groups.setdefault(source_group(everything[rows[r]]), []).append(j)
     summary = train(model, teacher, opts, state_file, progress=progress, log=log, split=split, val_groups=groups)
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
