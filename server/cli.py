@@ -55,8 +55,8 @@ def _config(a: argparse.Namespace, drafter: str | None = None) -> EngineConfig:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from core.sampling import SamplingParams
-    from server.engine.engine import Engine
-    from server.engine.weights import load_tokenizer
+    from server.engine import Engine
+    from server.model_files import load_tokenizer
     from server.tokenization import encode_chat, encode_text, stop_token_ids
 
     cfg = _config(a, a.drafter)
@@ -140,7 +140,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_train_glide(a: argparse.Namespace) -> int:
-    from drafters.train.glide import TrainOptions, run_train_glide
+    from training.glide import TrainOptions, run_train_glide
 
     weights = []
     for part in (a.source_weight or "").split(","):
@@ -164,7 +164,7 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
 
 
 def cmd_train_falcon(a: argparse.Namespace) -> int:
-    from drafters.train.falcon import FalconTrainOptions, run_train_falcon
+    from training.falcon import FalconTrainOptions, run_train_falcon
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist)
@@ -175,7 +175,7 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
 
 
 def cmd_train_accept_head(a: argparse.Namespace) -> int:
-    from drafters.train.accept_head import AcceptTrainOptions, run_train_accept_head
+    from training.accept_head import AcceptTrainOptions, run_train_accept_head
 
     temps = tuple(float(t) for t in a.temperatures.split(",") if t.strip())
     if not temps or any(not 0 < t <= 2 for t in temps):
@@ -189,10 +189,10 @@ def cmd_train_accept_head(a: argparse.Namespace) -> int:
 
 
 def cmd_train_eval_glide(a: argparse.Namespace) -> int:
-    from drafters.train.glide import measure_acceptance
+    from training.glide import measure_acceptance
     from server.bench.offline import read_prompts
-    from server.engine.engine import load_target
-    from server.engine.weights import load_tokenizer
+    from server.engine import load_target
+    from server.model_files import load_tokenizer
     from server.tokenization import encode_record, stop_token_ids
 
     cfg = _config(a)
@@ -236,8 +236,8 @@ def _floats(arg: str, flag: str) -> tuple[float, ...]:
 def cmd_train_prompts(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drafters.train.synth import SynthSettings, default_out_dir, synthesize_prompts
-    from server.engine.engine import load_target
+    from training.synth import SynthSettings, default_out_dir, synthesize_prompts
+    from server.engine import load_target
 
     settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
                              max_answer_tokens=a.max_answer_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -260,10 +260,10 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
 def cmd_train_data(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from drafters.train.data import AnswerSettings, answer_records, prompt_records
-    from drafters.train.glide import work_dir
-    from drafters.train.synth import default_out_dir
-    from server.engine.engine import load_target
+    from training.data import AnswerSettings, answer_records, prompt_records
+    from training.glide import work_dir
+    from training.synth import default_out_dir
+    from server.engine import load_target
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
                               sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
@@ -282,7 +282,7 @@ def cmd_train_data(a: argparse.Namespace) -> int:
 
 
 def cmd_train_bigram(a: argparse.Namespace) -> int:
-    from drafters.train.bigram import run_train_bigram
+    from training.bigram import run_train_bigram
 
     run_train_bigram(_config(a), out=a.out, data_path=a.data, max_new_tokens=a.max_new_tokens,
                      gen_batch=a.gen_batch, limit=a.limit, log=_log)
@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--gen-batch", type=int, default=64, help="sequences per batched target forward when "
                        "generating data (KV slots)")
         q.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
-    td.add_argument("--prompts", default=None, help="comma-separated prompt sources: `project` (drafters/train/"
+    td.add_argument("--prompts", default=None, help="comma-separated prompt sources: `project` (training/"
                     "prompts.py), `synth` (what `train prompts` wrote) or JSONL files (default: project, plus synth "
                     "when it exists)")
     td.add_argument("--temperatures", default="0.7,1.0", help="comma-separated temperatures of the sampled answers")

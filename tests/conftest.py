@@ -25,14 +25,14 @@ def fp32_config():
 @pytest.fixture(scope="session")
 def target32(fp32_config):
     """The embedded SmolLM2-135M-Instruct in float32 (converted from GGUF on first use, then cached)."""
-    from server.engine.engine import load_target
+    from server.engine import load_target
 
     return load_target(fp32_config, progress=False)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(target32):
-    from server.engine.weights import load_tokenizer
+    from server.model_files import load_tokenizer
 
     return load_tokenizer(target32.hf_dir)
 

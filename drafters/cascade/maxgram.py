@@ -7,7 +7,7 @@ table -- the most likely next token given the previous one -- and try matching a
 tokens are proposed; they go to the target as a chain of point masses.
 
 The bigram table is one next-token id per vocabulary entry, counted over text the target itself generated
-(``specserve train bigram``, drafters/train/bigram.py) and shipped next to the GLIDE checkpoint:
+(``specserve train bigram``, training/bigram.py) and shipped next to the GLIDE checkpoint:
 ``drafters/checkpoints/<target id>/bigram.safetensors``.
 """
 from __future__ import annotations

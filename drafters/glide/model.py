@@ -298,7 +298,7 @@ def default_checkpoint(target_id: str, name: str = "glide") -> Path:
 
 def check_fits(c: GlideConfig, target_args, target_id: str, path: Path) -> None:
     """Fail clearly when a checkpoint was trained for another target."""
-    how = (f"train one with `specserve train glide` (see drafters/train/glide.py) or point the drafter's "
+    how = (f"train one with `specserve train glide` (see training/glide.py) or point the drafter's "
            f"`checkpoint` option at a checkpoint trained for {target_id!r}")
     if c.target_id != target_id:
         raise GlideCheckpointError(f"{path} was trained for target {c.target_id!r}, not {target_id!r}; {how}")

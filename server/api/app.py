@@ -88,11 +88,10 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     """Run the API process until SIGTERM/SIGINT (exit 0 after draining) or the worker's death (exit 1)."""
     import uvicorn
 
-    from server.engine.weights import load_tokenizer, resolve_model
+    from core.ops import LlamaArgs
+    from server.model_files import load_hf_config, load_tokenizer, resolve_model
     from server.tokenization import stop_token_ids
     from server.worker.process import freeze_startup_heap
-    from core.ops import LlamaArgs
-    from server.engine.weights import load_hf_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s api %(levelname)s %(message)s")
     # Convert the GGUF (first run only) here, before the worker starts, so the worker loads from the cache.

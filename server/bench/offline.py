@@ -29,8 +29,8 @@ import yaml
 from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from server.config import EngineConfig
-from server.engine.engine import Engine, load_target
-from server.engine.weights import load_tokenizer
+from server.engine import Engine, load_target
+from server.model_files import load_tokenizer
 from server.tokenization import encode_record, stop_token_ids
 
 

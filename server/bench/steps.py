@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from server.config import EngineConfig
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, load_target
 from server.engine.stepcost import step_curve
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)

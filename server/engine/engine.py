@@ -1,24 +1,22 @@
-"""The worker's engine: target model, KV slots, and the draft -> verify -> accept -> compact loop.
+"""The batched step: KV slots, and the draft -> verify -> accept -> compact loop over a ``StepPlan``.
 
-One step of one sequence (see ``Engine.step``):
+The loaded target is ``server.engine.target``, a sequence's state ``server.engine.sequence``, the plan and result types
+``server.engine.step``. One step of one sequence (see ``Engine.run``):
   tree = drafter.propose(seq)            # row 0 = root = last accepted token
   logits = verify(seq, tree)             # one target forward over all tree rows (prefix + ancestors + self)
   path, tokens = accept(tree, logits)    # greedy or lossless speculative sampling
   commit(seq, path)                      # compact the accepted rows' KV to [cache_len, cache_len + len(path))
   drafter.observe(seq, result)
-Sequences are independent: the scheduler interleaves their steps.
+Sequences are independent: one step runs any number of them (and prompt chunks of others) in one target forward.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
-from core.ops import DTYPES, LlamaArgs, rms_norm
 from core.sampling import SamplingParams, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
@@ -28,170 +26,11 @@ from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention)
-from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
-from server.engine.model import Llama, RowGroup, Segment
-from server.engine.quant import quantize_model
-from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
-from server.engine.weights import load_hf_config, load_state_dict, resolve_model
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (empty prompt, prompt over the context, bad token ids)."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@dataclass
-class SeqStats:
-    draft_tokens: int = 0      # draft rows proposed (roots excluded)
-    accepted_tokens: int = 0   # draft tokens accepted
-    verify_steps: int = 0      # target forwards after prefill
-    step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
-    verify_seconds: float = 0.0  # wall time in the target's verify forwards (the offline benchmark's split)
-    draft_seconds: float = 0.0   # wall time in the drafter's propose calls
-    max_draft: int = 0           # the most draft rows of one step
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per target forward, bonus included (1.0 for plain decoding)."""
-        return self.step_tokens / self.verify_steps if self.verify_steps else 0.0
-
-    def as_dict(self) -> dict:
-        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "verify_steps": self.verify_steps, "mean_accepted_length": round(self.mean_accepted_length, 4),
-                "mean_draft_length": round(self.draft_tokens / self.verify_steps, 4) if self.verify_steps else 0.0,
-                "max_draft_length": self.max_draft}
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    slot: int
-    prompt_len: int
-    token_ids: list[int]           # prompt + generated; the last one is the next root (its KV is not cached)
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    generator: torch.Generator
-    cache_len: int = 0
-    finish_reason: str | None = None
-    max_rows: int = MAX_TREE_ROWS  # the row budget of the tree being drafted (root included)
-    stats: SeqStats = field(default_factory=SeqStats)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
-
-
-class Target:
-    """The frozen target model plus the read-only pieces drafters may share (implements drafters.base.TargetView)."""
-
-    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None):
-        self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
-        self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
-        self.args: LlamaArgs = model.args
-
-    @torch.inference_mode()
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(ids)
-
-    @torch.inference_mode()
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden)
-
-    @torch.inference_mode()
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.model.norm, self.args.rms_norm_eps)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.rope(x, positions)
-
-    @property
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed.weight
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        w = self.model.lm_head.weight
-        return w if isinstance(w, torch.Tensor) else w.dequantize()  # a quantized head: the matrix it stands for
-
-
-class SeqView:
-    """Read-only view of a sequence for drafters (implements drafters.base.SequenceView)."""
-
-    def __init__(self, seq: Sequence, pool: KVCachePool, target: Target):
-        self._seq, self._pool, self.target = seq, pool, target
-        self.seq_id, self.prompt_len = seq.seq_id, seq.prompt_len
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._seq.token_ids
-
-    @property
-    def cache_len(self) -> int:
-        return self._seq.cache_len
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self._seq.sampling
-
-    @property
-    def max_rows(self) -> int:
-        return self._seq.max_rows
-
-    def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self._seq.cache_len
-        return self._pool.k[layer, self._seq.slot, :, :n], self._pool.v[layer, self._seq.slot, :, :n]
-
-    def target_hidden(self) -> torch.Tensor:
-        return self._pool.hidden[self._seq.slot, :self._seq.cache_len]
-
-
-def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
-    """Build the target model from the config (converting a GGUF source once into the cache).
-
-    ``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``).
-    """
-    resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
-    args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
-    device = resolve_device(cfg.model.device)
-    with torch.device("meta"):  # skip random init: every weight is loaded below
-        model = Llama(args, cfg.cache.max_seq_len)
-    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
-    model.eval().requires_grad_(False)
-    name = cfg.model.dtype
-    if name == "auto":
-        name = choose_dtype(lambda d: _measure_dtype(cfg, model, resolved, device, d), device,
-                            cfg.model.quantization, resolved.hf_dir)
-    return _build_target(model, resolved, device, name, cfg.model.quantization)
-
-
-def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
-    dtype = DTYPES[dtype_name]
-    model = model.to(device=device, dtype=dtype)
-    quantize_model(model, quantization, dtype, gguf=resolved.gguf)
-    tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
-    return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
-
-
-def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.device, dtype_name: str) -> dict:
-    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot, after up
-    to 300 cached tokens (fewer when the configured context is shorter: the copy's RoPE table has that length)."""
-    rows = AUTO_ROWS if cfg.cache.max_seq_len >= 1 + max(AUTO_ROWS) + 1 else (1,)
-    cached = max(1, min(300, cfg.cache.max_seq_len - max(rows) - 1))
-    c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name),
-                            cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
-                            drafter=dataclasses.replace(cfg.drafter, name="none"))
-    target = _build_target(copy.deepcopy(model), resolved, device, dtype_name, cfg.model.quantization)
-    return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)
+from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
+from server.engine.model import RowGroup, Segment
+from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
+from server.engine.step import SeqStep, StepPlan, StepResult
+from server.engine.target import Target, load_target
 
 
 class Engine:
@@ -241,12 +80,20 @@ class Engine:
 
     # -- target forwards ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, seq: Sequence, tokens: list[int], positions: torch.Tensor, tree_mask: torch.Tensor | None):
-        """T new rows of one sequence after its cached prefix -> hidden [T, hidden]."""
-        return self._forward_rows([(seq, tokens, positions, tree_mask)])
+    def forward(self, seq: Sequence, tokens: list[int], positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """T new rows of one sequence after its cached prefix (causal, unless ``tree_mask``; positions default to
+        the rows after the prefix) -> hidden [T, hidden]. Writes their K/V past the prefix and commits nothing: the
+        cache length stays (as after a rejected draft)."""
+        if positions is None:
+            positions = torch.arange(seq.cache_len, seq.cache_len + len(tokens), device=self.device)
+        return self.forward_rows([(seq, tokens, positions, tree_mask)])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
-    def _forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
+    def forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
         tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
         if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
@@ -296,7 +143,7 @@ class Engine:
 
     def prefill(self, seq: Sequence) -> list[int]:
         """Cache the whole prompt's KV and sample the first token; returns the tokens emitted."""
-        return self.run([], [(seq, seq.prompt_len)])[seq.seq_id]
+        return self.run(StepPlan(prefill=[(seq, seq.prompt_len)])).emitted[seq.seq_id]
 
     @torch.inference_mode()
     def verify(self, seq: Sequence, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,7 +151,7 @@ class Engine:
 
         Rows are written to cache rows [cache_len, cache_len + T + 1) at positions cache_len + depth.
         """
-        hidden = self._forward_rows([self._tree_rows(seq, tree)])
+        hidden = self.forward_rows([self._tree_rows(seq, tree)])
         return self.model.logits(hidden), hidden
 
     def _tree_rows(self, seq: Sequence, tree: DraftTree):
@@ -332,85 +179,75 @@ class Engine:
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
         """Draft, verify, accept, compact; returns the tokens emitted (at least one unless already finished)."""
-        return self.run([seq])[seq.seq_id]
+        return self.run(StepPlan([seq])).emitted[seq.seq_id]
 
     @torch.inference_mode()
-    def run(self, steps: list[Sequence], prefills: list[tuple[Sequence, int]] = (),
-            max_rows: dict[int, int] | None = None) -> dict[int, list[int]]:
+    def run(self, plan: StepPlan) -> StepResult:
         """One target forward for a batch: a speculative step (draft, verify, accept, compact) for each sequence of
-        ``steps`` and the next ``n`` prompt tokens of each (sequence, n) of ``prefills``; returns {seq_id: tokens
-        emitted} (a prompt's first token comes with its last chunk).
+        ``plan.decode`` and the next prompt chunk of each of ``plan.prefill``.
 
-        ``max_rows`` caps a sequence's tree rows (root included; default MAX_TREE_ROWS): at 1 the drafter is not
-        asked at all and the step is a plain decode step. The drafter sees the cap (``SequenceView.max_rows``), which
-        also stops at the tokens the request still wants and at the context's end. A seeded request's tokens are a
-        function of its seed and the target's distributions (``core.sampling``), so neither the batch nor the draft
-        changes them.
+        A sequence's tree rows are capped by ``plan.max_rows`` (default MAX_TREE_ROWS), by the tokens the request
+        still wants (a step emits at most its rows) and by the context's end; the drafter sees the cap
+        (``SequenceView.max_rows``). A seeded request's tokens are a function of its seed and the target's
+        distributions (``core.sampling``), so neither the batch nor the draft changes them.
         """
         out: dict[int, list[int]] = {}
-        parts, trees = [], []
-        for seq in steps:
+        trees = []  # (seq, tree, drafted, propose seconds)
+        for seq in plan.decode:
             if seq.finish_reason is not None:
                 out[seq.seq_id] = []
                 continue
-            # rows past the context, past the tokens the request still wants (a step emits at most its rows), or past
-            # the budget's allowance would be verified for nothing
             cap = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated,
-                      (max_rows or {}).get(seq.seq_id, MAX_TREE_ROWS))
+                      plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
             seq.max_rows = cap
+            before = seq.stats.draft_seconds
             tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
-            trees.append((seq, tree.truncate(cap), cap > 1))
-            parts.append(self._tree_rows(seq, trees[-1][1]))
-        chunks = []
-        for seq, n in prefills:
+            trees.append((seq, tree.truncate(cap), cap > 1, seq.stats.draft_seconds - before))
+        chunks = []  # (seq, first prompt row, rows)
+        for seq, n in plan.prefill:
             start = seq.cache_len
             n = min(n, seq.prompt_len - start)
             if n < 1:
                 raise ValueError(f"sequence {seq.seq_id} has no prompt tokens left to prefill")
             chunks.append((seq, start, n))
-            parts.append((seq, seq.token_ids[start:start + n], torch.arange(start, start + n, device=self.device),
-                          None))
+        parts = [self._tree_rows(seq, tree) for seq, tree, _, _ in trees]
+        parts += [(seq, seq.token_ids[start:start + n], torch.arange(start, start + n, device=self.device), None)
+                  for seq, start, n in chunks]
         if not parts:
-            return out
+            return StepResult(out, {})
+        ends = list(accumulate(len(p[1]) for p in parts))
+        spans = list(zip([0] + ends[:-1], ends))  # each part's rows of the forward: trees first, then chunks
+        tree_spans, chunk_spans = spans[:len(trees)], spans[len(trees):]
+        tree_rows = tree_spans[-1][1] if trees else 0
         t0 = time.perf_counter()
-        hidden = self._forward_rows(parts)
-        # logits for every tree row, and for the last prompt row of a prompt that is now fully cached
-        logit_rows, at = [], 0
-        for _, tree, _ in trees:
-            logit_rows.extend(range(at, at + tree.num_rows))
-            at += tree.num_rows
-        for seq, start, n in chunks:
-            if start + n == seq.prompt_len:
-                logit_rows.append(at + n - 1)
-            at += n
+        hidden = self.forward_rows(parts)
+        # logits for every tree row, then for the last row of each chunk that completes its prompt
+        completing = [(seq, b - 1) for (seq, start, n), (_, b) in zip(chunks, chunk_spans)
+                      if start + n == seq.prompt_len]
+        logit_rows = list(range(tree_rows)) + [row for _, row in completing]
         logits = self.model.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
-        at, accepted = 0, []
-        for seq, tree, _ in trees:  # acceptance per sequence, each with its own seed or generator
-            n, sp = tree.num_rows, seq.sampling
-            if sp.greedy:
-                accepted.append(accept_greedy(tree, logits[at:at + n]))
-            elif sp.seed is not None:
-                accepted.append(accept_seeded(tree, target_probs(logits[at:at + n], sp), sp.seed, len(seq.token_ids)))
-            else:
-                accepted.append(accept_sampling(tree, target_probs(logits[at:at + n], sp), seq.generator))
-            at += n
-        self._compact_many([(seq, rows) for (seq, _, _), (rows, _) in zip(trees, accepted)])
-        at = 0
-        for (seq, tree, drafted), (rows, tokens) in zip(trees, accepted):
-            out[seq.seq_id] = self._finish_step(seq, tree, rows, tokens, hidden[at:at + tree.num_rows], seconds,
-                                                drafted)
-            at += tree.num_rows
-        li = at
-        for seq, start, n in chunks:
-            self._advance(seq, hidden[at:at + n])
-            at += n
-            if seq.cache_len < seq.prompt_len:
-                out[seq.seq_id] = []
-                continue
-            out[seq.seq_id] = self._first_token(seq, logits[li:li + 1])
-            li += 1
-        return out
+        accepted = [self._accept(seq, tree, logits[a:b]) for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
+        self._compact_many([(seq, rows) for (seq, _, _, _), (rows, _) in zip(trees, accepted)])
+        steps = {}
+        for (seq, tree, drafted, draft_s), (rows, tokens), (a, b) in zip(trees, accepted, tree_spans):
+            out[seq.seq_id], num_accepted = self._finish_step(seq, tree, rows, tokens, hidden[a:b], seconds, drafted)
+            steps[seq.seq_id] = SeqStep(tree.num_draft, num_accepted, draft_s)
+        for (seq, _, _), (a, b) in zip(chunks, chunk_spans):
+            self._advance(seq, hidden[a:b])
+            out[seq.seq_id] = []
+        for row, (seq, _) in enumerate(completing, start=tree_rows):  # the prompt is cached: its first token
+            out[seq.seq_id] = self._first_token(seq, logits[row:row + 1])
+        return StepResult(out, steps, seconds)
+
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(accepted rows, emitted tokens) of one tree, with the sequence's own seed or generator."""
+        sp = seq.sampling
+        if sp.greedy:
+            return accept_greedy(tree, logits)
+        if sp.seed is not None:
+            return accept_seeded(tree, target_probs(logits, sp), sp.seed, len(seq.token_ids))
+        return accept_sampling(tree, target_probs(logits, sp), seq.generator)
 
     def _propose(self, seq: Sequence) -> DraftTree:
         t0 = time.perf_counter()
@@ -442,9 +279,9 @@ class Engine:
             compact_kv(self.pool.k, self.pool.v, seq.slot, src, seq.cache_len)
 
     def _finish_step(self, seq: Sequence, tree: DraftTree, rows: list[int], tokens: list[int], hidden: torch.Tensor,
-                     seconds: float, drafted: bool) -> list[int]:
+                     seconds: float, drafted: bool) -> tuple[list[int], int]:
         """After compaction: the accepted rows' hidden states, the cache length, the emitted tokens, the stats, and
-        the drafter's observe."""
+        the drafter's observe -> (tokens emitted, draft tokens accepted)."""
         self._advance(seq, hidden[rows])
         result = VerifyResult(rows, tokens, tree.num_draft)
         emitted = self._append(seq, tokens)
@@ -457,7 +294,7 @@ class Engine:
         s.verify_seconds += seconds
         if drafted and seq.finish_reason is None:
             self.drafter.observe(self.view(seq), result)
-        return emitted
+        return emitted, result.num_accepted
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         """The prompt is cached: sample the first token from the last prompt row's logits [1, V]."""
@@ -501,16 +338,3 @@ class Engine:
         finally:
             self.release(seq)
         return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1)
-
-
-@dataclass
-class GenerationOutput:
-    token_ids: list[int]
-    finish_reason: str
-    stats: SeqStats
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
-__all__ = ["Engine", "GenerationOutput", "NoFreeSlotError", "RequestError", "SamplingParams", "Sequence",
-           "load_target"]

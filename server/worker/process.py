@@ -44,7 +44,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     """Entry point of the worker process: build the engine, announce it, then serve until told to stop."""
     import torch
 
-    from server.engine.engine import Engine
+    from server.engine import Engine
     from server.engine.stepcost import BUDGET_ROWS, STEP_GAP_FACTOR, step_costs, step_token_budget
     from server.worker.budget import DraftBudget
     from server.worker.scheduler import Scheduler
@@ -60,7 +60,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
         with send_lock:
             conn.send_bytes(data)
 
-    a = engine.model.args
+    a = engine.target.args
     send(m.Ready(engine.target.model_id, engine.drafter.name, cfg.cache.max_seq_len, engine.pool.num_slots,
                  a.vocab_size, str(engine.device), str(engine.dtype).removeprefix("torch.")))
     budget, max_step = DraftBudget.fixed(), cfg.server.max_step_tokens

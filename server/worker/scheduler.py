@@ -16,13 +16,11 @@ from collections import OrderedDict
 from typing import Callable
 
 from core.sampling import SamplingParams
-from server.engine.engine import Engine, RequestError, Sequence
+from server.engine import Engine, RequestError, Sequence, StepPlan, prefill_chunks
 from server.worker import messages as m
 from server.worker.budget import DraftBudget
 
 log = logging.getLogger("specserve.worker")
-
-MIN_PREFILL_CHUNK = 16  # prompt tokens a step prefills even when the decoding sequences fill the budget
 
 
 class Scheduler:
@@ -86,31 +84,22 @@ class Scheduler:
     def tick(self) -> None:
         """Admit, then one batched step: every decoding sequence steps, prompt chunks fill the rest of the budget."""
         self.admit()
-        decoding = {rid: s for rid, s in self.running.items() if s.cache_len >= s.prompt_len}
+        decoding = {rid: s for rid, s in self.running.items() if s.prefilled}
         # Prompt chunks are sized as for a plain step (one row per decoding sequence); draft rows come on top, where
         # the budget finds they pay with the chunks in the step. Drafts that took the chunks' rows instead starved
         # the prompts under load (TTFT doubled at 64 streams of code prompts).
         limit = self.max_step_tokens(len(decoding)) if callable(self.max_step_tokens) else self.max_step_tokens
-        room = limit - len(decoding)
-        chunks = {}
-        for rid, seq in self.running.items():
-            if rid in decoding:
-                continue
-            n = min(seq.prompt_len - seq.cache_len, max(room, MIN_PREFILL_CHUNK))
-            if n < 1 or (chunks and room < 1):
-                break
-            chunks[rid] = n
-            room -= n
+        chunks = prefill_chunks(self.running.values(), limit - len(decoding))
         if not decoding and not chunks:
             return
-        max_rows = self.budget.plan(list(decoding.values()), fixed_rows=sum(chunks.values()))
-        batch = {**decoding, **{rid: self.running[rid] for rid in chunks}}
-        before = {rid: (s.stats.draft_tokens, s.stats.accepted_tokens, s.stats.draft_seconds)
-                  for rid, s in decoding.items()}
+        prompt_rows = sum(n for _, n in chunks)
+        plan = StepPlan(list(decoding.values()), chunks,
+                        self.budget.plan(list(decoding.values()), fixed_rows=prompt_rows))
+        rid_of = {seq.seq_id: rid for rid, seq in self.running.items()}
+        batch = {**decoding, **{rid_of[seq.seq_id]: seq for seq, _ in chunks}}
         self._busy_since = started = time.monotonic()
         try:
-            emitted = self.engine.run(list(decoding.values()), [(self.running[rid], n) for rid, n in chunks.items()],
-                                      max_rows)
+            result = self.engine.run(plan)
         except Exception as e:  # an engine fault fails the requests of this step, not the worker
             log.exception("a step of %d requests failed in the engine", len(batch))
             for rid, seq in batch.items():
@@ -121,29 +110,31 @@ class Scheduler:
         finally:
             self._busy_since = None
         seconds = time.monotonic() - started
-        step = {rid: (s.stats.draft_tokens - before[rid][0], s.stats.accepted_tokens - before[rid][1],
-                      s.stats.draft_seconds - before[rid][2]) for rid, s in decoding.items()}  # this step's share
-        drafted = sum(d for d, _, _ in step.values())
-        rows = len(decoding) + drafted + sum(chunks.values())
-        self.send(m.Step(len(decoding), rows, drafted, sum(chunks.values()), seconds))
-        self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in max_rows.values()),
-                                1000 * sum(p for _, _, p in step.values()),
-                                tokens=sum(len(emitted.get(s.seq_id, ())) for s in decoding.values()),
-                                prefill_rows=sum(chunks.values()))
-        for rid, (d, a, _) in step.items():
-            self.budget.record(decoding[rid].seq_id, d, a, max_rows[decoding[rid].seq_id])
+        steps = result.steps  # seq_id -> this step's share
+        drafted = sum(st.draft_tokens for st in steps.values())
+        rows = len(decoding) + drafted + prompt_rows
+        self.send(m.Step(len(decoding), rows, drafted, prompt_rows, seconds))
+        self.budget.record_step(1000 * seconds, rows, len(decoding), sum(r > 1 for r in plan.max_rows.values()),
+                                1000 * sum(st.draft_seconds for st in steps.values()),
+                                tokens=sum(len(result.emitted.get(s.seq_id, ())) for s in decoding.values()),
+                                prefill_rows=prompt_rows)
+        for seq in decoding.values():
+            if seq.seq_id in steps:
+                st = steps[seq.seq_id]
+                self.budget.record(seq.seq_id, st.draft_tokens, st.accepted_tokens, plan.max_rows[seq.seq_id])
         for rid, seq in batch.items():
-            tokens = emitted.get(seq.seq_id, [])
-            if rid in chunks and not tokens and seq.finish_reason is None:
+            tokens = result.emitted.get(seq.seq_id, [])
+            if rid not in decoding and not tokens and seq.finish_reason is None:
                 continue  # a prompt chunk that is not the last: nothing to tell yet
-            steps = [m.StepStats(*step[rid][:2])] if rid in step else []
+            st = steps.get(seq.seq_id)
+            stats = [m.StepStats(st.draft_tokens, st.accepted_tokens)] if st is not None else []
             usage = None
             if seq.finish_reason is not None:
                 self.running.pop(rid, None)
                 self.engine.release(seq)
                 self.budget.forget(seq)
                 usage = self._usage(seq)
-            self.send(m.Tokens(rid, tokens, steps, seq.finish_reason, usage))
+            self.send(m.Tokens(rid, tokens, stats, seq.finish_reason, usage))
 
     def status(self) -> None:
         """Send the gauges when they changed."""

@@ -6,7 +6,7 @@ import torch
 
 from core.sampling import GREEDY_TEMPERATURE, SamplingParams, target_probs
 from server.config import config_from_dict
-from server.engine.engine import Engine
+from server.engine import Engine
 
 
 @pytest.mark.parametrize("t", [0.0, 1e-38, 5e-324, 1e-300, 1e-6])

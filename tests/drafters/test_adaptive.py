@@ -12,8 +12,8 @@ from drafters.adaptive import (NUM_EXTRA, AcceptHead, AcceptHeadConfig, AcceptHe
                                default_checkpoint, load_accept_head)
 from drafters.base import create_drafter
 from drafters.glide.model import GlideConfig, GlideModel
-from drafters.train.accept_head import auc, calibration, delayed_rows, weighted_bce
-from server.engine.engine import Engine
+from training.accept_head import auc, calibration, delayed_rows, weighted_bce
+from server.engine import Engine
 from tests.conftest import encode_prompts
 
 
@@ -172,9 +172,9 @@ def test_falcon_adaptive_caps_its_forwards(target32):
 
 @pytest.mark.parametrize("drafter", ["glide", "falcon"])
 def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tmp_path, drafter):
-    from drafters.train.accept_head import AcceptTrainOptions, run_train_accept_head
-    from drafters.train.data import generate_responses
-    from drafters.train.prompts import training_records
+    from training.accept_head import AcceptTrainOptions, run_train_accept_head
+    from training.data import generate_responses
+    from training.prompts import training_records
 
     recs = training_records(humaneval=False)[::300][:3]
     data = tmp_path / "answers.pt"

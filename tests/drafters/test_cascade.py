@@ -15,8 +15,8 @@ from drafters.cascade.drafter import (CascadeDrafter, cascade_draft, cascade_tre
 from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_path, load_bigram, longest_match,
                                       save_bigram)
 from drafters.glide.model import default_checkpoint
-from drafters.train.bigram import count_bigrams
-from server.engine.engine import Engine
+from training.bigram import count_bigrams
+from server.engine import Engine
 from tests.conftest import encode_prompts
 
 V = 2000

@@ -22,7 +22,7 @@ from drafters.falcon.model import (
     relaxed_mask,
 )
 from server.config import config_from_dict
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, StepPlan, load_target
 from server.tokenization import stop_token_ids
 from tests.conftest import chi2_pvalue, encode_prompts
 
@@ -354,7 +354,7 @@ def test_cache_catch_up_matches_a_fresh_drafter(tiny_dir, tiny, tiny_ckpt):
                 assert live.propose(view).tokens == got.tokens
                 skipped_then_drafted += step > 0 and pattern[(step - 1) % len(pattern)] == 1
             before = seq.stats.accepted_tokens
-            engine.run([seq], max_rows={seq.seq_id: cap})
+            engine.run(StepPlan([seq], max_rows={seq.seq_id: cap}))
             accepted += seq.stats.accepted_tokens - before
             step += 1
         assert seq.output_ids == plain.generate(prompt, max_new_tokens=40).token_ids

@@ -13,7 +13,7 @@ from drafters.cape import PAPER_BINS, cape_tree, check_bins, expansion_size
 from drafters.glide.drafter import GlideDrafter
 from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
                                   default_checkpoint)
-from server.engine.engine import Engine
+from server.engine import Engine
 from server.tokenization import stop_token_ids
 from tests.conftest import encode_prompts
 
@@ -21,7 +21,7 @@ from tests.conftest import encode_prompts
 @pytest.fixture(scope="module")
 def random_glide(target32, tmp_path_factory):
     """An untrained GLIDE for the default target (random weights: for contracts, not for acceptance)."""
-    from drafters.train.glide import build_model
+    from training.glide import build_model
 
     torch.manual_seed(0)
     model = build_model(target32, torch.arange(4096))
@@ -244,8 +244,8 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 
 # -- training ---------------------------------------------------------------------------------------------------
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
-    from drafters.train.data import generate_responses
-    from drafters.train.glide import (
+    from training.data import generate_responses
+    from training.glide import (
         TrainOptions,
         build_model,
         evaluate,
@@ -254,7 +254,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
         train,
         vocab_by_frequency,
     )
-    from drafters.train.prompts import training_records
+    from training.prompts import training_records
 
     recs = training_records(humaneval=False)[::200][:4]
     data = generate_responses(target32.hf_dir, target32.model_id, recs, tmp_path / "answers.pt", max_new_tokens=24,
@@ -303,7 +303,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
 
 
 def test_the_teacher_cache_computes_each_sequence_once_and_matches_the_pass(target32, tmp_path, monkeypatch):
-    import drafters.train.glide as tg
+    import training.glide as tg
 
     g = torch.Generator().manual_seed(0)
     items = [{"prompt_ids": torch.randint(5, 1000, (p,), generator=g).tolist(),
@@ -333,7 +333,7 @@ def test_the_teacher_cache_computes_each_sequence_once_and_matches_the_pass(targ
 
 
 def test_the_validation_split_stays_put_under_subsets_and_weights():
-    from drafters.train.glide import TrainOptions, split_rows
+    from training.glide import TrainOptions, split_rows
 
     items = [{"prompt_ids": [i, i + 1], "response_ids": [7] * (10 + i % 5), "source": "chat" if i % 4 else "synth"}
              for i in range(200)]
@@ -357,7 +357,7 @@ def test_training_prompts_hold_out_benchmarks():
     import json
     from pathlib import Path
 
-    from drafters.train.prompts import humaneval_records, training_records
+    from training.prompts import humaneval_records, training_records
 
     train = training_records()
     texts = {json.dumps(r.get("messages") or r.get("prompt")) for r in train}

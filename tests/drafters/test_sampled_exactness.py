@@ -41,7 +41,7 @@ import server.engine.engine as engine_module
 from core.sampling import SamplingParams
 from drafters.base import drafter_names
 from server.config import config_from_dict
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, StepPlan, load_target
 from tests.conftest import chi2_pvalue
 
 V = 16                              # the tiny target's vocabulary (tests/conftest.py: write_tiny_llama)
@@ -251,9 +251,9 @@ def sample_joint_batched(engine: Engine, sp: SamplingParams, n: int, seed0: int,
     for b in range(0, n, batch):
         seqs = [request(engine, sp, seed0 + i * SEED_STRIDE, seeded=False) for i in range(b, min(n, b + batch))]
         try:
-            engine.run([], [(seq, seq.prompt_len) for seq in seqs])
+            engine.run(StepPlan(prefill=[(seq, seq.prompt_len) for seq in seqs]))
             while any(seq.num_generated < K for seq in seqs):
-                engine.run([seq for seq in seqs if seq.num_generated < K])
+                engine.run(StepPlan([seq for seq in seqs if seq.num_generated < K]))
         finally:
             for seq in seqs:
                 engine.release(seq)

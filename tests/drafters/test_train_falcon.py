@@ -7,9 +7,9 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from drafters.train.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split,
+from training.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split,
                                    sequence_loss, teacher_features, train, two_stream_mask)
-from drafters.train.glide import TrainOptions, split_rows
+from training.glide import TrainOptions, split_rows
 
 
 def test_two_stream_mask_shows_a_guessed_block_verified_context_only():
@@ -39,7 +39,7 @@ def _features(target32):
 
 def test_glancing_swaps_lambda_times_the_hamming_distance(target32):
     """N = round(lambda * d) guessed inputs go back to the true ones: none at lambda 0, and the loss changes with it."""
-    from drafters.train.falcon import loss_tables
+    from training.falcon import loss_tables
 
     data = _features(target32)
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from drafters.train.data import (AnswerSettings, BatchedGenerator, GenRequest, answer_records, answer_temperature,
+from training.data import (AnswerSettings, BatchedGenerator, GenRequest, answer_records, answer_temperature,
                                  length_histogram, load_responses, prompt_records, shard_dir, single)
-from drafters.train.synth import (CATEGORIES, BenchmarkGuard, FilterConfig, NearDuplicates, Selection, SynthSettings,
+from training.synth import (CATEGORIES, BenchmarkGuard, FilterConfig, NearDuplicates, Selection, SynthSettings,
                                   Templates, benchmark_texts, echoes, is_heldout, job_plan, read_jsonl,
                                   repeat_share, repeats_a_sentence, shingles, synthesize_prompts, text_reason,
                                   turn_reason, words)
@@ -259,7 +259,7 @@ def test_same_seed_same_prompts_and_resume_matches_one_run(synth_run, fp32_confi
 
 def test_batched_generator_matches_one_sequence_at_a_time(fp32_config, target32, tokenizer):
     from core.sampling import SamplingParams
-    from server.engine.engine import Engine
+    from server.engine import Engine
     from server.tokenization import encode_record, stop_token_ids
 
     stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
@@ -277,8 +277,8 @@ def test_batched_generator_matches_one_sequence_at_a_time(fp32_config, target32,
 
 
 def test_answers_are_resumable_and_feed_glide_and_bigram(fp32_config, target32, tokenizer, tmp_path):
-    from drafters.train.bigram import count_bigrams
-    from drafters.train.glide import ensure_data, vocab_by_frequency
+    from training.bigram import count_bigrams
+    from training.glide import ensure_data, vocab_by_frequency
     from server.tokenization import encode_chat, encode_record, stop_token_ids
 
     synth_file = tmp_path / "synth.jsonl"

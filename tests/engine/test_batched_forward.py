@@ -1,4 +1,4 @@
-"""One target forward over several sequences (``Engine.run`` / ``_forward_rows``) against each sequence alone.
+"""One target forward over several sequences (``Engine.run`` / ``forward_rows``) against each sequence alone.
 
 - CPU: decode steps of several sequences attend in one batched call; trees and prompt chunks per sequence;
 - CUDA layout: every row of the step through the batched Triton kernel (run here under the Triton interpreter on a
@@ -11,7 +11,7 @@ import torch
 
 from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, StepPlan, load_target
 from tests.conftest import write_tiny_llama
 from tests.engine.test_perf_paths import needs_row_invariance
 
@@ -34,7 +34,7 @@ def _parts(engine: Engine):
         seqs.append(seq)
     for seq in seqs[:2]:
         engine.prefill(seq)
-    engine.run([], [(seqs[2], 17)])  # the third is part way through its prompt
+    engine.run(StepPlan(prefill=[(seqs[2], 17)]))  # the third is part way through its prompt
     tree = DraftTree([seqs[1].token_ids[-1], 3, 4, 5, 6], [-1, 0, 0, 1, 2])
     parts = [engine._tree_rows(seqs[0], DraftTree.root_only(seqs[0].token_ids[-1])), engine._tree_rows(seqs[1], tree),
              (seqs[2], seqs[2].token_ids[17:30], torch.arange(17, 30), None)]
@@ -46,8 +46,8 @@ def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny_engine):
     seqs, parts = _parts(engine)
     try:
         with torch.inference_mode():
-            alone = torch.cat([engine._forward_rows([p]) for p in parts])
-            batched = engine._forward_rows(parts)  # CPU path: the decode row on its own, others per sequence
+            alone = torch.cat([engine.forward_rows([p]) for p in parts])
+            batched = engine.forward_rows(parts)  # CPU path: the decode row on its own, others per sequence
             ids = torch.tensor([t for p in parts for t in p[1]])
             kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine._kernel_group(parts))
     finally:
@@ -70,7 +70,7 @@ def test_decode_steps_of_several_sequences_attend_together_bitwise_in_bf16():
         seqs.append(seq)
     with torch.inference_mode():
         alone = [engine.verify(s, DraftTree.root_only(s.token_ids[-1]))[0] for s in seqs]
-        group = engine.model.logits(engine._forward_rows(
+        group = engine.model.logits(engine.forward_rows(
             [engine._tree_rows(s, DraftTree.root_only(s.token_ids[-1])) for s in seqs]))
     for seq in seqs:
         engine.release(seq)

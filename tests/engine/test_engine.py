@@ -7,7 +7,7 @@ import torch
 from core.sampling import SamplingParams
 from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine.engine import Engine, NoFreeSlotError, RequestError
+from server.engine import Engine, NoFreeSlotError, RequestError
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_target_view_exposes_verified_kv_and_hidden(tiny_engine):
     assert seen["hidden"].shape == (5, a.hidden_size)
     # the cached K of the first 5 tokens equals a fresh causal forward's K (post-RoPE)
     seq2 = engine.add(seen["tokens"][:5])
-    engine._forward(seq2, seen["tokens"][:5], torch.arange(5), None)
+    engine.forward(seq2, seen["tokens"][:5], torch.arange(5))
     torch.testing.assert_close(engine.pool.k[1, seq2.slot, :, :5], seen["k"])
     engine.release(seq2)
 

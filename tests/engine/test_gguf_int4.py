@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from server.config import config_from_dict
-from server.engine.engine import Engine, Target, load_target
+from server.engine import Engine, Target, load_target
 from server.engine.quant import INT4_GROUP, PackedLinear, int4_from_blocks, quantize_model
-from server.engine.weights import Q4Blocks, gguf_linear_blocks, load_state_dict, resolve_model
+from server.engine.weights import Q4Blocks, gguf_linear_blocks, load_state_dict
+from server.model_files import resolve_model
 from tests.conftest import write_tiny_llama
 from tests.engine.test_model import _logits
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from server.config import config_from_dict
-from server.engine.engine import Engine
+from server.engine import Engine
 from server.tokenization import encode_chat, stop_token_ids
 from tests.conftest import write_tiny_llama
 
@@ -19,7 +19,7 @@ PROMPTS = [
 def _logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     seq = engine.add(ids)
     try:
-        hidden = engine._forward(seq, ids, torch.arange(len(ids)), None)
+        hidden = engine.forward(seq, ids, torch.arange(len(ids)))
         return engine.model.logits(hidden)
     finally:
         engine.release(seq)
@@ -72,7 +72,7 @@ def test_tiny_llama_variants_match_transformers(tmp_path, rope_scaling, tie):
 
 def test_cached_load_reuses_conversion(fp32_config, target32):
     """The second load reads the converted cache: same directory, no re-conversion."""
-    from server.engine.weights import resolve_model
+    from server.model_files import resolve_model
 
     before = (target32.hf_dir / "model.safetensors").stat().st_mtime_ns
     again = resolve_model(fp32_config.model.source, fp32_config.model.cache_dir, progress=False)

@@ -19,7 +19,7 @@ from drafters.base import create_drafter
 from kernels.tree_attention import ancestor_bitmask, tree_attention_ref
 from server.config import config_from_dict
 from server.engine.backend import EXACT_MAX_BRANCHES, EXACT_MAX_ROWS, make_attention
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, load_target
 from server.tokenization import encode_chat, stop_token_ids
 
 CPU = torch.device("cpu")

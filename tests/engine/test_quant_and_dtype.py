@@ -9,7 +9,7 @@ import torch
 from core.ops import Int4Weight, Int8Weight, linear
 from drafters.base import create_drafter
 from server.config import config_from_dict
-from server.engine.engine import Engine, load_target
+from server.engine import Engine, load_target
 from server.engine.quant import PackedLinear
 from server.engine.stepcost import CHOICE_FILE, choose_dtype, machine_key
 
@@ -94,7 +94,7 @@ def test_quantized_target_differs_from_the_float_one_but_stays_close(tiny_dir):
         e = Engine(c)
         seq = e.add([2, 3, 4, 5, 6])
         with torch.inference_mode():
-            logits[k] = e.model.logits(e._forward(seq, [2, 3, 4, 5, 6], torch.arange(5), None))
+            logits[k] = e.logits(e.forward(seq, [2, 3, 4, 5, 6], torch.arange(5)))
         e.release(seq)
     scale = logits["none"].abs().max()
     assert not torch.equal(logits["int8"], logits["none"])

@@ -9,7 +9,7 @@ import pytest
 
 from core.sampling import SamplingParams
 from drafters.base import create_drafter
-from server.engine.engine import Engine
+from server.engine import Engine, StepPlan
 from tests.conftest import encode_prompts
 from tests.engine.tree_drafters import OracleTreeDrafter
 
@@ -63,11 +63,11 @@ def test_deep_tree_paths_in_a_batch_with_drafting_on_and_off(fp32_config, target
     engine = Engine(fp32_config, drafter, target32)
     rng = random.Random(0)
     seqs = [engine.add(p, SAMPLINGS[i], MAX_NEW, stops) for i, p in enumerate(prompts)]
-    engine.run([], [(s, s.prompt_len) for s in seqs])
+    engine.run(StepPlan(prefill=[(s, s.prompt_len) for s in seqs]))
     steps = 0
     while any(s.finish_reason is None for s in seqs):
         live = [s for s in seqs if s.finish_reason is None]
-        engine.run(live, max_rows={s.seq_id: rng.choice([1, 64]) for s in live})
+        engine.run(StepPlan(live, max_rows={s.seq_id: rng.choice([1, 64]) for s in live}))
         steps += 1
     for i, s in enumerate(seqs):
         assert s.output_ids == plain[SAMPLINGS[i], tuple(prompts[i])]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from drafters.base import create_drafter
-from server.engine.engine import Engine
+from server.engine import Engine
 from tests.conftest import encode_prompts
 from server.tokenization import stop_token_ids
 from tests.engine.tree_drafters import OracleTreeDrafter

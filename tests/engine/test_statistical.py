@@ -13,7 +13,7 @@ import server.engine.acceptance as acceptance
 from core.sampling import SamplingParams, target_probs
 from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine.engine import Engine
+from server.engine import Engine
 from tests.conftest import chi2_pvalue
 from tests.engine.tree_drafters import RandomQTreeDrafter
 

@@ -15,7 +15,7 @@ import pytest
 from core.tree import DraftTree
 from drafters.base import create_drafter, drafter_names
 from server.config import config_from_dict
-from server.engine.engine import Engine
+from server.engine import Engine, StepPlan
 from server.tokenization import encode_chat, stop_token_ids
 from server.worker import messages as m
 from server.engine.stepcost import step_token_budget
@@ -182,7 +182,7 @@ def test_one_row_is_a_plain_decode_step(cfg, target32, tokenizer):
     seq = engine.add(ids, max_new_tokens=16)
     engine.prefill(seq)
     while seq.finish_reason is None:
-        engine.run([seq], max_rows={seq.seq_id: 1})
+        engine.run(StepPlan([seq], max_rows={seq.seq_id: 1}))
     engine.release(seq)
     assert drafter.proposals == 0 and seq.stats.draft_tokens == 0
     assert seq.output_ids == ref
@@ -312,7 +312,7 @@ def test_steps_without_drafts_keep_every_drafter_exact(name, cfg, target32, toke
     pattern = [64, 1, 1, 2, 1, 3, 64, 1, 2]  # tree rows allowed per step; 1: no drafting
     step = 0
     while seq.finish_reason is None:
-        engine.run([seq], max_rows={seq.seq_id: pattern[step % len(pattern)]})
+        engine.run(StepPlan([seq], max_rows={seq.seq_id: pattern[step % len(pattern)]}))
         step += 1
     engine.release(seq)
     assert seq.output_ids == ref

@@ -22,7 +22,7 @@ TEXTS = [
 
 @pytest.fixture(scope="session")
 def tok():
-    from server.engine.weights import load_tokenizer, resolve_model
+    from server.model_files import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("embedded", progress=False).hf_dir)
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
-from drafters.train.glide import coverage, ensure_data, lr_at, seeded_split, vocab_by_frequency, work_dir
+from training.glide import coverage, ensure_data, lr_at, seeded_split, vocab_by_frequency, work_dir
 
 
 @dataclass
@@ -316,8 +316,8 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
 
 def hash_split(data: FeatureData, items: list[dict], opts: FalconTrainOptions):
     """((train, validation) sequences, validation sequences by prompt source): held out by a hash of the prompt, the
-    same prompts GLIDE's training holds out (``drafters.train.glide.held_out``), so the two read alike."""
-    from drafters.train.glide import held_out, source_group
+    same prompts GLIDE's training holds out (``training.glide.held_out``), so the two read alike."""
+    from training.glide import held_out, source_group
 
     train_idx, val_idx, groups = [], [], {}
     for i, n in enumerate(data.index):
@@ -345,8 +345,8 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
                      progress: bool = True, log=print) -> Path:
     """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.falcon.model import default_checkpoint
-    from server.engine.engine import load_target
-    from server.engine.weights import load_tokenizer
+    from server.engine import load_target
+    from server.model_files import load_tokenizer
     from server.tokenization import stop_token_ids
 
     opts = opts or FalconTrainOptions()
@@ -361,7 +361,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
         f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
     text_items = []
     if text_tokens:
-        from drafters.train.text import shipped_text_items
+        from training.text import shipped_text_items
         text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
         log(f"+ {len(text_items)} sequences of shipped text")
     model = build_model(target, vocab_ids, k)

@@ -36,7 +36,6 @@ from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, stop_token_ids
 
-MIN_PREFILL_CHUNK = 16     # prompt rows a step prefills even when the decoding sequences fill its budget
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -94,11 +93,11 @@ class BatchedGenerator:
 
     def __init__(self, cfg, target, slots: int, max_seq_len: int, step_tokens: int = 512):
         from server.config import DrafterConfig
-        from server.engine.engine import Engine
+        from server.engine import MIN_PREFILL_CHUNK, Engine
 
         if slots < 1:
             raise ValueError("the batch needs at least one sequence")
-        max_seq_len = min(max_seq_len, int(target.model.rope.cos.shape[0]))
+        max_seq_len = min(max_seq_len, target.max_positions)
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_slots=slots, max_seq_len=max_seq_len),
                                   drafter=DrafterConfig(name="none"))
         self.engine = Engine(cfg, target=target)
@@ -113,7 +112,7 @@ class BatchedGenerator:
         """Every job's return value, in job order. ``on_step(tokens, jobs_done)`` follows each batched step;
         ``on_done(job index, return value)`` is called as each job returns, so a caller can stream many shards'
         jobs through one run and keep the batch full across shard boundaries."""
-        from server.engine.engine import RequestError
+        from server.engine import RequestError
 
         pending, ready, running, results = enumerate(jobs), deque(), [], {}
         exhausted = False
@@ -163,18 +162,13 @@ class BatchedGenerator:
         return [results[i] for i in range(len(results))]
 
     def _step(self, seqs: list) -> int:
-        """One batched forward: decode steps for the cached sequences, prompt chunks for the rest -> tokens emitted."""
-        decoding = [s for s in seqs if s.cache_len >= s.prompt_len]
-        room, chunks = self.step_tokens - len(decoding), []
-        for s in seqs:
-            if s.cache_len >= s.prompt_len:
-                continue
-            if chunks and room < 1:
-                break
-            n = min(s.prompt_len - s.cache_len, max(room, MIN_PREFILL_CHUNK))
-            chunks.append((s, n))
-            room -= n
-        out = self.engine.run(decoding, chunks, {s.seq_id: 1 for s in decoding})
+        """One batched forward: decode steps for the cached sequences, prompt chunks for the rest (sized as the
+        server's scheduler sizes them) -> tokens emitted."""
+        from server.engine import StepPlan, prefill_chunks
+
+        decoding = [s for s in seqs if s.prefilled]
+        chunks = prefill_chunks(seqs, self.step_tokens - len(decoding))
+        out = self.engine.run(StepPlan(decoding, chunks, {s.seq_id: 1 for s in decoding})).emitted
         return sum(len(t) for t in out.values())
 
 
@@ -239,7 +233,7 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
                    log=print, command: str | None = None) -> dict:
     """The target answers every record with the batched engine; resumable by shards. Returns the data dict (the
     merged file is written only when every shard is done; ``max_shards`` stops after that many new shards)."""
-    from server.engine.weights import load_tokenizer
+    from server.model_files import load_tokenizer
 
     s = settings or AnswerSettings()
     out = Path(out)
@@ -300,7 +294,7 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
 
 def conversation_answers(records: list[dict], tokenizer, stops: tuple[int, ...]) -> list[dict]:
     """Answers the target already wrote: a synthesized multi-turn prompt holds the target's own greedy, finished answer
-    to its first turn (drafters/train/synth.py), so that answer joins the data as an item of its own, with no
+    to its first turn (training/synth.py), so that answer joins the data as an item of its own, with no
     generation (259 answers, 4% more answer tokens, on the first 4,096 prompts of a run). Only ``synth`` records: an
     assistant turn in a prompt file may be anybody's text. The answer is re-tokenized from its text, which the target's
     tokens decode to, and ends with the end-of-turn token, as a finished answer does; ``turn`` marks the item."""
@@ -348,10 +342,10 @@ def _merge(sdir: Path, n: int, model_id: str, s: AnswerSettings) -> dict:
 
 
 def prompt_records(sources: str | None, synth_train: Path | None, log=print) -> list[dict]:
-    """The prompts to answer, from a comma-separated list of sources: ``project`` (drafters/train/prompts.py: chat
+    """The prompts to answer, from a comma-separated list of sources: ``project`` (training/prompts.py: chat
     prompts and the HumanEval training split), ``synth`` (the synthesized train split, ``synth_train``) or JSONL
     paths. None: ``project`` plus ``synth`` when it exists."""
-    from drafters.train.prompts import training_records
+    from training.prompts import training_records
     from server.bench.offline import read_prompts
 
     names = [x.strip() for x in (sources or "project,synth?").split(",") if x.strip()]

@@ -1,6 +1,6 @@
 """Training prompts written by the target itself: ``specserve train prompts`` (the Magpie method, arXiv 2406.08464).
 
-No dataset can be downloaded here, and the hand-written prompts (drafters/train/prompts.py) are a thousand. But the
+No dataset can be downloaded here, and the hand-written prompts (training/prompts.py) are a thousand. But the
 target is an instruct model: fed its chat template up to the start of a user turn, it writes a user turn, because that
 is what follows in the conversations it was tuned on. Sampling that turn until the end-of-turn token gives prompts in
 the target's own idea of what users ask, which is the traffic a drafter will see. The prefix comes from the
@@ -41,8 +41,8 @@ from typing import Iterable
 import numpy as np
 from tqdm import tqdm
 
-from drafters.train import prompts as hand
-from drafters.train.data import BatchedGenerator, GenRequest, GenResult, stable_int, stable_unit
+from training import prompts as hand
+from training.data import BatchedGenerator, GenRequest, GenResult, stable_int, stable_unit
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prompts"
 MARK = "\u2063MAGPIE-USER-TURN\u2063"  # a placeholder user message, cut out of the rendered template
@@ -502,7 +502,7 @@ def synth_job(plan: dict, s: SynthSettings, tpl: Templates):
 
 # -- the pipeline ----------------------------------------------------------------------------------------------------
 def default_out_dir(cfg, model_id: str) -> Path:
-    from drafters.train.glide import work_dir
+    from training.glide import work_dir
 
     return work_dir(cfg, model_id) / "synth"
 
@@ -530,7 +530,7 @@ def synthesize_prompts(cfg, target, out: Path, settings: SynthSettings | None = 
     """Generate (resumably, by shards), filter and deduplicate until ``settings.count`` prompts survive; write the
     train and held-out JSONL files and the stats. Returns the stats (``complete`` False when ``max_shards`` stopped
     the run first)."""
-    from server.engine.weights import load_tokenizer
+    from server.model_files import load_tokenizer
 
     s, filters, out = settings or SynthSettings(), filters or FilterConfig(), Path(out)
     tpl = Templates(load_tokenizer(target.hf_dir), target.args.eos_token_ids)

@@ -128,7 +128,7 @@ def training_records(humaneval: bool = True) -> list[dict]:
 
 
 def main() -> None:
-    """``python -m drafters.train.prompts OUT.jsonl``: write the held-out HumanEval tasks as chat prompts."""
+    """``python -m training.prompts OUT.jsonl``: write the held-out HumanEval tasks as chat prompts."""
     import sys
 
     with open(sys.argv[1], "w") as f:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from core.sampling import SamplingParams, target_probs
 from drafters.adaptive import AcceptHead, AcceptHeadConfig, checkpoint_digest, default_checkpoint
 from drafters.checkpoint import CHECKPOINT_DIR
-from drafters.train.glide import TeacherData, ensure_data, teacher_pass, work_dir
+from training.glide import TeacherData, ensure_data, teacher_pass, work_dir
 
 
 @dataclass
@@ -115,7 +115,7 @@ def falcon_examples(model, data, opts: AcceptTrainOptions, lm_head: torch.Tensor
     pass of CSGD training with every token glanced). Each drafted token's state is the feature row it was drafted
     from."""
     from drafters.falcon.model import block_ids
-    from drafters.train.falcon import two_stream_mask as falcon_two_stream
+    from training.falcon import two_stream_mask as falcon_two_stream
 
     dev, k = model.fuse.device, model.c.k
     g = torch.Generator().manual_seed(opts.seed)
@@ -261,7 +261,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
                           max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None,
                           work: Path | None = None, progress: bool = True, log=print) -> Path:
     """Data -> teacher pass -> drafted examples -> head -> checkpoint + card. Returns the checkpoint path."""
-    from server.engine.engine import load_target
+    from server.engine import load_target
 
     if drafter not in ("glide", "falcon"):
         raise ValueError(f"acceptance heads train for the chain drafters glide and falcon, not {drafter!r}")
@@ -290,7 +290,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     else:
         from drafters.falcon.drafter import load_falcon
         from drafters.falcon.model import default_checkpoint as drafter_default
-        from drafters.train.falcon import FeatureData, teacher_features
+        from training.falcon import FeatureData, teacher_features
 
         model = load_falcon(target, checkpoint)
         feat_file = wd / f"features-{len(items)}+0-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}.pt"

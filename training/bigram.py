@@ -1,7 +1,7 @@
 """Build the Max-Gram drafter's bigram table for a target: ``specserve train bigram``.
 
 Counts token bigrams over the self-distilled training data (each prompt followed by the target's own answer,
-drafters/train/data.py; generated first when missing) and keeps, for every vocabulary entry, its most frequent next
+training/data.py; generated first when missing) and keeps, for every vocabulary entry, its most frequent next
 token (ties: the smaller id). A token never seen with a successor maps to the most frequent token of the data
 overall (as a successor), the best guess without context. Output: ``bigram.safetensors`` (int32 [V]) + a JSON card
 next to it, by default under drafters/checkpoints/<target id>/.
@@ -45,8 +45,8 @@ def run_train_bigram(cfg, out: Path | None = None, data_path: Path | None = None
                      gen_batch: int = 32, limit: int | None = None, progress: bool = True, log=print) -> Path:
     """Data (generated when missing) -> bigram counts -> table + card. Returns the table's path."""
     from drafters.cascade.maxgram import default_bigram_path, save_bigram
-    from drafters.train.glide import ensure_data
-    from server.engine.engine import load_target
+    from training.glide import ensure_data
+    from server.engine import load_target
 
     target = load_target(cfg, progress=progress)
     data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
@@ -58,7 +58,7 @@ def run_train_bigram(cfg, out: Path | None = None, data_path: Path | None = None
             "data": {"file": data_file.name, "sequences": len(items),
                      "tokens": sum(len(s) for s in seqs),
                      "text": "training prompts followed by the target's own greedy answers "
-                             "(drafters/train/prompts.py, drafters/train/data.py)"},
+                             "(training/prompts.py, training/data.py)"},
             "counts": stats,
             "unseen_tokens": "map to fallback_token, the most frequent successor overall"}
     save_bigram(out, table, target.model_id, card)

@@ -1,7 +1,7 @@
 """Train a GLIDE draft model for a target: ``specserve train glide``.
 
 Pipeline (each stage cached under ``<cache>/train/<target id>/`` so a rerun resumes):
-  1. data     the target answers the training prompts (drafters/train/data.py);
+  1. data     the target answers the training prompts (training/data.py);
   2. teacher  one target forward per training sequence stores the post-RoPE K/V of the target layers the drafter
               reads and the target's final-normed hidden states at the answer positions (its next-token
               distributions, recomputed on the fly through the frozen LM head); cached by content, so a run on more
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from core.ops import rms_norm
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
-from drafters.train.data import stable_unit
+from training.data import stable_unit
 
 
 @dataclass
@@ -152,7 +152,7 @@ def cached_teacher(target, items: list[dict], read_layers: list[int], max_len: i
 
 
 def is_shipped_text(item: dict) -> bool:
-    """A sequence of shipped text (``drafters/train/text.py``), not an answer of the target."""
+    """A sequence of shipped text (``training/text.py``), not an answer of the target."""
     return str(item.get("source", "")).startswith("text:")
 
 
@@ -384,7 +384,7 @@ def data_sources(items: list[dict]) -> dict[str, int]:
 
 
 def work_dir(cfg, model_id: str) -> Path:
-    from server.engine.weights import default_cache_dir
+    from server.model_files import default_cache_dir
 
     return Path(cfg.model.cache_dir or default_cache_dir()) / "train" / model_id
 
@@ -393,9 +393,9 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
                 progress: bool = True, log=print) -> tuple[Path, list[dict]]:
     """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
     the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
-    batched engine (resumable; drafters/train/data.py)."""
-    from drafters.train.data import AnswerSettings, answer_records, load_responses, prompt_records
-    from drafters.train.synth import default_out_dir
+    batched engine (resumable; training/data.py)."""
+    from training.data import AnswerSettings, answer_records, load_responses, prompt_records
+    from training.synth import default_out_dir
 
     path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
     data = load_responses(path) if path.exists() else None
@@ -421,9 +421,9 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                     **model_overrides) -> Path:
     """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.model import default_checkpoint
-    from drafters.train.data import temperature_counts
-    from server.engine.engine import load_target
-    from server.engine.weights import load_tokenizer
+    from training.data import temperature_counts
+    from server.engine import load_target
+    from server.model_files import load_tokenizer
     from server.tokenization import stop_token_ids
 
     opts = opts or TrainOptions()
@@ -439,7 +439,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
         f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
     text_items = []
     if text_tokens:
-        from drafters.train.text import shipped_text_items
+        from training.text import shipped_text_items
         text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
         log(f"+ {len(text_items)} sequences ({sum(len(i['response_ids']) + 1 for i in text_items)} tokens) of "
             "shipped text for teacher forcing")
@@ -494,7 +494,7 @@ def measure_acceptance(cfg, checkpoint: Path, prompts: list[list[int]], gamma: i
     """Chain (or CAPE) acceptance of a checkpoint on token-id prompts: acceptance rate and mean accepted length."""
     from core.sampling import SamplingParams
     from drafters.glide.drafter import GlideDrafter
-    from server.engine.engine import Engine, load_target
+    from server.engine import Engine, load_target
 
     target = target or load_target(cfg, progress=False)
     drafter = GlideDrafter(target, checkpoint=str(checkpoint), gamma=gamma, cape=cape)

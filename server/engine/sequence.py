@@ -1,0 +1,105 @@
+"""Per-sequence state: a request's tokens, KV slot, sampling and counters, and the read-only view drafters get."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from core.sampling import SamplingParams
+from core.tree import MAX_TREE_ROWS
+from server.engine.kv_cache import KVCachePool
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (empty prompt, prompt over the context, bad token ids)."""
+
+
+@dataclass
+class SeqStats:
+    draft_tokens: int = 0      # draft rows proposed (roots excluded)
+    accepted_tokens: int = 0   # draft tokens accepted
+    verify_steps: int = 0      # target forwards after prefill
+    step_tokens: int = 0       # tokens emitted by verify steps (bonus included, after truncation)
+    verify_seconds: float = 0.0  # wall time in the target's verify forwards (the offline benchmark's split)
+    draft_seconds: float = 0.0   # wall time in the drafter's propose calls
+    max_draft: int = 0           # the most draft rows of one step
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target forward, bonus included (1.0 for plain decoding)."""
+        return self.step_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "verify_steps": self.verify_steps, "mean_accepted_length": round(self.mean_accepted_length, 4),
+                "mean_draft_length": round(self.draft_tokens / self.verify_steps, 4) if self.verify_steps else 0.0,
+                "max_draft_length": self.max_draft}
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    slot: int
+    prompt_len: int
+    token_ids: list[int]           # prompt + generated; the last one is the next root (its KV is not cached)
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator
+    cache_len: int = 0
+    finish_reason: str | None = None
+    max_rows: int = MAX_TREE_ROWS  # the row budget of the tree being drafted (root included)
+    stats: SeqStats = field(default_factory=SeqStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the whole prompt is cached (the sequence decodes; before that it takes prompt chunks)."""
+        return self.cache_len >= self.prompt_len
+
+
+class SeqView:
+    """Read-only view of a sequence for drafters (implements drafters.base.SequenceView)."""
+
+    def __init__(self, seq: Sequence, pool: KVCachePool, target):
+        self._seq, self._pool, self.target = seq, pool, target
+        self.seq_id, self.prompt_len = seq.seq_id, seq.prompt_len
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._seq.token_ids
+
+    @property
+    def cache_len(self) -> int:
+        return self._seq.cache_len
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self._seq.sampling
+
+    @property
+    def max_rows(self) -> int:
+        return self._seq.max_rows
+
+    def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self._seq.cache_len
+        return self._pool.k[layer, self._seq.slot, :, :n], self._pool.v[layer, self._seq.slot, :, :n]
+
+    def target_hidden(self) -> torch.Tensor:
+        return self._pool.hidden[self._seq.slot, :self._seq.cache_len]
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    finish_reason: str
+    stats: SeqStats
+    prefill_s: float = 0.0
+    decode_s: float = 0.0

@@ -1,0 +1,126 @@
+"""The loaded target model: weights in the serving dtype and quantization, the dtype and kernel measurements that
+choose them on this machine, and the read-only pieces drafters and training share.
+
+``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+from core.ops import DTYPES, LlamaArgs, rms_norm
+from server.config import EngineConfig
+from server.engine.backend import make_attention
+from server.engine.model import Llama, Segment
+from server.engine.quant import quantize_model
+from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
+from server.engine.weights import load_state_dict
+from server.model_files import load_hf_config, resolve_model
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TargetPass(NamedTuple):
+    """One causal forward over a whole sequence (``Target.forward``)."""
+
+    hidden: torch.Tensor  # [T, hidden] the last layer's output, before the final norm
+    k: torch.Tensor       # [layers, kv_heads, T, head_dim] post-RoPE keys
+    v: torch.Tensor       # [layers, kv_heads, T, head_dim]
+
+
+class Target:
+    """The frozen target model plus the read-only pieces drafters may share (implements drafters.base.TargetView)."""
+
+    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None):
+        self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
+        self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
+        self.args: LlamaArgs = model.args
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model's RoPE table covers (the configured context)."""
+        return int(self.model.rope.cos.shape[0])
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor | list[int]) -> TargetPass:
+        """One causal forward over ``tokens`` from position 0, outside the KV slots of serving (training's teacher
+        passes read it): the hidden states and every layer's K/V."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        T, a = len(ids), self.args
+        k = torch.zeros(a.num_layers, a.num_kv_heads, T, a.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        attn = make_attention(self.device, 0, T, None, self.dtype)
+        hidden = self.model(ids, torch.arange(T, device=self.device), [Segment(0, T, k, v, 0, None, attn)])
+        return TargetPass(hidden, k, v)
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+    @torch.inference_mode()
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.model.norm, self.args.rms_norm_eps)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.rope(x, positions)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        w = self.model.lm_head.weight
+        return w if isinstance(w, torch.Tensor) else w.dequantize()  # a quantized head: the matrix it stands for
+
+
+def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
+    """Build the target model from the config (converting a GGUF source once into the cache).
+
+    ``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``).
+    """
+    resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
+    args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
+    device = resolve_device(cfg.model.device)
+    with torch.device("meta"):  # skip random init: every weight is loaded below
+        model = Llama(args, cfg.cache.max_seq_len)
+    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
+    model.eval().requires_grad_(False)
+    name = cfg.model.dtype
+    if name == "auto":
+        name = choose_dtype(lambda d: _measure_dtype(cfg, model, resolved, device, d), device,
+                            cfg.model.quantization, resolved.hf_dir)
+    return _build_target(model, resolved, device, name, cfg.model.quantization)
+
+
+def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
+    dtype = DTYPES[dtype_name]
+    model = model.to(device=device, dtype=dtype)
+    quantize_model(model, quantization, dtype, gguf=resolved.gguf)
+    tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
+    return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
+
+
+def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.device, dtype_name: str) -> dict:
+    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot, after up
+    to 300 cached tokens (fewer when the configured context is shorter: the copy's RoPE table has that length)."""
+    from server.engine.engine import Engine  # the measurement runs the batched step on the copy
+
+    rows = AUTO_ROWS if cfg.cache.max_seq_len >= 1 + max(AUTO_ROWS) + 1 else (1,)
+    cached = max(1, min(300, cfg.cache.max_seq_len - max(rows) - 1))
+    c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name),
+                            cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
+                            drafter=dataclasses.replace(cfg.drafter, name="none"))
+    target = _build_target(copy.deepcopy(model), resolved, device, dtype_name, cfg.model.quantization)
+    return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)
