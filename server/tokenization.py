@@ -1,7 +1,24 @@
-"""Prompt encoding shared by the CLI, the benchmarks and the API process (the worker only sees token ids)."""
+"""Prompt files and prompt encoding, shared by the CLI, the benchmarks, training and the API process (the worker only
+sees token ids)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """A JSONL prompt file: one {messages} or {prompt} record per line."""
+    records = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if line.strip():
+            rec = json.loads(line)
+            if "messages" not in rec and "prompt" not in rec:
+                raise ValueError(f"{path}:{i + 1}: each line needs `messages` or `prompt`")
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no prompts")
+    return records
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from server.bench.offline import parse_specs
-from server.cli import main
+from specserve.cli import main
 
 
 def test_specs_split_on_commas_outside_brackets_and_read_yaml_values():

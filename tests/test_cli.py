@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from server.cli import main
+from specserve.cli import main
 
 
 def test_generate_json_subprocess(tmp_path):
-    cmd = [sys.executable, "-m", "server.cli", "generate", "--config", "deploy/configs/ngram.yaml",
+    cmd = [sys.executable, "-m", "specserve", "generate", "--config", "deploy/configs/ngram.yaml",
            "--dtype", "float32", "--messages", '[{"role": "user", "content": "Say hello."}]',
            "--max-tokens", "8", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -79,7 +79,7 @@ def test_commands_refuse_flags_they_would_ignore(argv, capsys):
 
 
 def test_model_commands_take_config_dtype_device():
-    from server.cli import build_parser
+    from specserve.cli import build_parser
 
     p = build_parser()
     for argv in (["generate", "--prompt", "x"], ["serve"], ["bench", "offline", "--prompts", "p"],

@@ -34,7 +34,7 @@ from typing import Any, Callable, Generator, Iterable
 import torch
 from tqdm import tqdm
 
-from server.tokenization import encode_chat, encode_record, stop_token_ids
+from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
@@ -346,7 +346,6 @@ def prompt_records(sources: str | None, synth_train: Path | None, log=print) -> 
     prompts and the HumanEval training split), ``synth`` (the synthesized train split, ``synth_train``) or JSONL
     paths. None: ``project`` plus ``synth`` when it exists."""
     from training.prompts import training_records
-    from server.bench.offline import read_prompts
 
     names = [x.strip() for x in (sources or "project,synth?").split(",") if x.strip()]
     records: list[dict] = []

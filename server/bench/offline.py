@@ -18,10 +18,8 @@ drafter forwards * c). Counts come from the first repeat, times from all of them
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import yaml
@@ -31,20 +29,7 @@ from drafters.base import create_drafter
 from server.config import EngineConfig
 from server.engine import Engine, load_target
 from server.model_files import load_tokenizer
-from server.tokenization import encode_record, stop_token_ids
-
-
-def read_prompts(path: str | Path) -> list[dict]:
-    records = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if line.strip():
-            rec = json.loads(line)
-            if "messages" not in rec and "prompt" not in rec:
-                raise ValueError(f"{path}:{i + 1}: each line needs `messages` or `prompt`")
-            records.append(rec)
-    if not records:
-        raise ValueError(f"{path}: no prompts")
-    return records
+from server.tokenization import encode_record, read_prompts, stop_token_ids
 
 
 def _hf_generate(hf_model, prompt_ids: list[int], max_tokens: int, stop_ids: tuple[int, ...]) -> tuple[list[int], float]:

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 
-from server.bench.offline import read_prompts
+from server.tokenization import read_prompts
 
 
 def parse_levels(arg: str) -> list[int]:

@@ -338,7 +338,7 @@ def test_answers_are_resumable_and_feed_glide_and_bigram(fp32_config, target32, 
 
 
 def test_cli_train_prompts_and_data(tmp_path, capsys):
-    from server.cli import main
+    from specserve.cli import main
 
     out = tmp_path / "synth"
     assert main(["train", "prompts", "--dtype", "float32", "--device", "cpu", "--count", "3", "--max-generated", "3",

@@ -37,7 +37,7 @@ class ServerProcess:
         self.log = open(tmp / f"server-{self.port}.log", "w+")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("SPECSERVE_API_KEY", None)
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--config", str(self.config), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "specserve", "serve", "--config", str(self.config), "--host", "127.0.0.1",
                "--port", str(self.port), "--drain-timeout", str(drain_timeout)]
         if api_key:
             cmd += ["--api-key", api_key]

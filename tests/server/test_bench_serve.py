@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from server.bench.serve import _pct, _summary, default_num_requests, parse_levels
-from server.cli import main
+from specserve.cli import main
 from tests.server.conftest import API_KEY, ServerProcess
 
 MAX_TOKENS = 4
