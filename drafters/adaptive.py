@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
+from drafters.checkpoint import CHECKPOINT_DIR, default_path, read_checkpoint, save_checkpoint
 NUM_EXTRA = 3  # temperature, depth / 8, log q(Y)
 
 
@@ -96,7 +96,7 @@ def checkpoint_digest(path: Path) -> str:
 
 
 def default_checkpoint(target_id: str, drafter: str) -> Path:
-    return CHECKPOINT_DIR / target_id / f"accept-{drafter}.safetensors"
+    return default_path(target_id, f"accept-{drafter}")
 
 
 def load_accept_head(target, drafter: str, hidden_size: int, checkpoint: str | Path | None = None) -> AcceptHead:

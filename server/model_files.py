@@ -41,8 +41,13 @@ class ResolvedModel:
     gguf: Path | None = None  # the GGUF file hf_dir was converted from, if any (its 4-bit blocks can be served as is)
 
 
+CACHE_ENV = "SPECSERVE_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/specserve"))
+    """Where converted models, measurements and training work go when the config names no ``model.cache_dir``:
+    ``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``."""
+    return Path(os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/specserve"))
 
 
 def embedded_gguf_path() -> Path:

@@ -1,4 +1,14 @@
-"""Dependencies point one way: the engine and the drafters share `core`; drafters never import the engine."""
+"""Dependencies point one way, with no exemption:
+
+    core  <-  kernels  <-  server.engine  <-  server.worker  <-  server.api
+      ^                         |  (drafters.base only)
+      +------  drafters  <------+
+    training  ->  the engine's public API (server.engine), server.config / model_files / tokenization / cli, drafters
+    specserve ->  server.cli and training.cli (the one module that knows both)
+
+Drafters never import the engine; the server never imports training; the API process imports nothing of the engine;
+training reaches the engine only through ``server.engine``'s exported names, never its modules.
+"""
 from __future__ import annotations
 
 import ast
@@ -18,28 +28,74 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
-def offenders(package: str, forbidden: tuple[str, ...], root: Path = ROOT, skip: tuple[str, ...] = ()) -> list[str]:
-    bad = []
-    for path in sorted((root / package).rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(skip):
-            continue
-        for mod in imported_modules(path):
-            if mod.split(".")[0] in forbidden or mod.startswith(forbidden):
-                bad.append(f"{rel} imports {mod}")
-    return bad
+def imports(package: str, root: Path = ROOT) -> list[tuple[str, str]]:
+    """(file, module) for every import of every file under ``package`` (a folder, or one module's .py file)."""
+    base = root / package
+    paths = [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else sorted(base.rglob("*.py"))
+    return [(p.relative_to(root).as_posix(), mod) for p in paths for mod in sorted(imported_modules(p))]
 
 
-def test_core_imports_neither_engine_nor_drafters():
-    assert offenders("core", ("server", "drafters", "kernels")) == []
+def within(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
-def test_drafters_import_core_not_the_engine():
-    # The training pipeline drives the target model as a client of the engine (it runs the target to make data);
-    # the drafters that serve read the target only through core and the views of drafters.base.
-    assert offenders("drafters", ("server",), skip=("training/",)) == []
+def offenders(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] = (), root: Path = ROOT) -> list[str]:
+    """Imports from ``package`` of a module within ``forbidden`` and not exactly one of ``allowed``."""
+    return [f"{f} imports {mod}" for f, mod in imports(package, root) if within(mod, forbidden) and mod not in allowed]
+
+
+OURS = ("core", "kernels", "drafters", "server", "training", "specserve")
+
+
+def test_core_imports_none_of_ours():
+    assert offenders("core", tuple(p for p in OURS if p != "core")) == []
+
+
+def test_kernels_import_only_core():
+    assert offenders("kernels", ("drafters", "server", "training", "specserve")) == []
+
+
+def test_drafters_import_core_and_themselves_only():
+    assert offenders("drafters", ("server", "training", "specserve")) == []
+
+
+def test_the_server_never_imports_training_or_the_command_shell():
+    assert offenders("server", ("training", "specserve")) == []
 
 
 def test_engine_reads_drafters_only_through_their_contract():
-    bad = [b for b in offenders("server/engine", ("drafters",)) if not b.endswith("imports drafters.base")]
-    assert bad == []
+    assert offenders("server/engine", ("drafters",), allowed=("drafters.base",)) == []
+
+
+def test_the_api_process_imports_nothing_of_the_engine():
+    assert offenders("server/api", ("server.engine", "server.worker.scheduler", "server.worker.budget")) == []
+
+
+def test_training_uses_the_engine_only_through_its_public_api():
+    public = ("server.engine", "server.config", "server.model_files", "server.tokenization", "server.cli")
+    assert offenders("training", ("server",), allowed=public) == []
+    assert offenders("training", ("specserve",)) == []
+
+
+def test_the_rules_catch_a_violation(tmp_path):
+    """The checks above read real import statements: a file that breaks a rule is reported."""
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "x.py").write_text("def f():\n    from server.engine.model import Segment\n")
+    (tmp_path / "server" / "api").mkdir(parents=True)
+    (tmp_path / "server" / "api" / "y.py").write_text("import server.engine\n")
+    assert offenders("training", ("server",), allowed=("server.engine",), root=tmp_path) == [
+        "training/x.py imports server.engine.model"]
+    assert offenders("server/api", ("server.engine",), root=tmp_path) == ["server/api/y.py imports server.engine"]
+
+
+def test_the_api_process_loads_no_engine_module():
+    """At run time too: importing the API process's modules loads no module of the engine (nor torch's weights
+    code), only what it shares with the worker (config, model files, tokenization, messages)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, server.api.app, server.api.routes, server.api.generation, server.worker.process\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('server.engine', 'drafters', 'training'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

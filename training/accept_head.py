@@ -31,7 +31,9 @@ from tqdm import tqdm
 from core.sampling import SamplingParams, target_probs
 from drafters.adaptive import AcceptHead, AcceptHeadConfig, checkpoint_digest, default_checkpoint
 from drafters.checkpoint import CHECKPOINT_DIR
-from training.glide import TeacherData, ensure_data, teacher_pass, work_dir
+from training.common import work_dir
+from training.data import ensure_data
+from training.teacher import TeacherData, teacher_pass
 
 
 @dataclass

@@ -45,7 +45,7 @@ def run_train_bigram(cfg, out: Path | None = None, data_path: Path | None = None
                      gen_batch: int = 32, limit: int | None = None, progress: bool = True, log=print) -> Path:
     """Data (generated when missing) -> bigram counts -> table + card. Returns the table's path."""
     from drafters.cascade.maxgram import default_bigram_path, save_bigram
-    from training.glide import ensure_data
+    from training.data import ensure_data
     from server.engine import load_target
 
     target = load_target(cfg, progress=progress)

@@ -105,7 +105,8 @@ def _floats(arg: str, flag: str) -> tuple[float, ...]:
 def cmd_train_prompts(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from training.synth import SynthSettings, default_out_dir, synthesize_prompts
+    from training.common import synth_dir
+    from training.synth import SynthSettings, synthesize_prompts
     from server.engine import load_target
 
     settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
@@ -114,7 +115,7 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
                              shard_size=a.shard_size, max_generated=a.max_generated)
     cfg = config_from_args(a)
     target = load_target(cfg)
-    out = Path(a.out) if a.out else default_out_dir(cfg, target.model_id)
+    out = Path(a.out) if a.out else synth_dir(cfg, target.model_id)
     st = synthesize_prompts(cfg, target, out, settings, batch=a.batch, step_tokens=a.step_tokens, log=log_stderr,
                             command=_replay_command(a))
     g = st["generation"]
@@ -130,15 +131,14 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from training.data import AnswerSettings, answer_records, prompt_records
-    from training.glide import work_dir
-    from training.synth import default_out_dir
+    from training.common import synth_dir, work_dir
     from server.engine import load_target
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
                               sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
     cfg = config_from_args(a)
     target = load_target(cfg)
-    records = prompt_records(a.prompts, default_out_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
+    records = prompt_records(a.prompts, synth_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
     records = records[:a.limit] if a.limit else records
     path = Path(a.data) if a.data else work_dir(cfg, target.model_id) / "responses.pt"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
+from training.common import stable_int, stable_unit, synth_dir, work_dir
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
@@ -46,17 +47,6 @@ def default_data_path(cache_dir: Path, model_id: str) -> Path:
 
 def load_responses(path: Path) -> dict:
     return torch.load(path, weights_only=True)
-
-
-def stable_int(*parts: Any) -> int:
-    """A 62-bit integer from ``parts``, the same in every process (Python's ``hash`` of a str is salted per run)."""
-    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-def stable_unit(*parts: Any) -> float:
-    """A float in [0, 1) from ``parts``, the same in every process."""
-    return stable_int(*parts) / 2**62
 
 
 # -- batched generation on the engine -----------------------------------------------------------------------------
@@ -498,3 +488,25 @@ def generate_responses(hf_dir: Path, model_id: str, records: list[dict], out: Pa
     bar.close()
     data["items"].sort(key=lambda it: it["index"])
     return data
+
+
+def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_size: int, limit: int | None,
+                progress: bool = True, log=print) -> tuple[Path, list[dict]]:
+    """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
+    the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
+    batched engine (resumable; training/data.py)."""
+    path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
+    data = load_responses(path) if path.exists() else None
+    if data is None or not data.get("complete", False):
+        records = prompt_records(None, synth_dir(cfg, target.model_id) / "train.jsonl", log)
+        records = records[:limit] if limit else records
+        # A file from before the sharded format holds as many items as prompts when it is complete.
+        if data is None or "complete" in data or len(data["items"]) < len(records):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log(f"generating target answers for {len(records)} prompts into {path}")
+            data = answer_records(cfg, target, records, path, AnswerSettings(max_new_tokens=max_new_tokens),
+                                  batch=batch_size, progress=progress, log=log)
+    if data["model_id"] != target.model_id:
+        raise ValueError(f"{path} holds answers of {data['model_id']!r}, not of the target {target.model_id!r}")
+    items = data["items"][:limit] if limit else data["items"]
+    return path, items

@@ -41,7 +41,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
-from training.glide import coverage, ensure_data, lr_at, seeded_split, vocab_by_frequency, work_dir
+from training.common import (held_out, lr_at, make_optimizer, prepare_run, resume, save_state, seeded_split,
+                             source_group)
+from training.teacher import teacher_pass
 
 
 @dataclass
@@ -76,29 +78,11 @@ class FeatureData:
         return len(self.tokens)
 
 
-@torch.inference_mode()
 def teacher_features(target, items: list[dict], max_len: int, progress: bool = True) -> FeatureData:
-    """One target forward per sequence (prompt + answer, cut to ``max_len``): its post-norm features."""
-    from server.engine.backend import make_attention
-    from server.engine.model import Segment
-
-    model, a, dev = target.model, target.args, target.device
-    k = torch.zeros(a.num_layers, a.num_kv_heads, max_len, a.head_dim, dtype=target.dtype, device=dev)
-    v = torch.zeros_like(k)
-    out = FeatureData([], [], [])
-    for n, it in enumerate(tqdm(items, desc="teacher pass", unit="seq", disable=not progress)):
-        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
-        start = len(it["prompt_ids"]) - 1
-        if len(ids) - 1 - start < 3:
-            continue
-        tok = torch.tensor(ids, dtype=torch.long, device=dev)
-        attn = make_attention(dev, 0, len(ids), None, target.dtype, max_len)
-        h = model(tok, torch.arange(len(ids), device=dev), [Segment(0, len(ids), k, v, 0, None, attn)])
-        out.tokens.append(tok.cpu())
-        out.answer_start.append(start)
-        out.index.append(n)
-        out.feats.append(target.final_norm(h).to("cpu", torch.bfloat16).clone())
-    return out
+    """The teacher pass (``training.teacher``) for Falcon: every position's final-normed target features, for the
+    sequences with at least 3 answer positions."""
+    t = teacher_pass(target, items, [], max_len, progress=progress, all_positions=True, min_answer=3)
+    return FeatureData(t.tokens, t.answer_start, t.hidden, t.index)
 
 
 def two_stream_mask(true_blocks: torch.Tensor, pred_blocks: torch.Tensor) -> torch.Tensor:
@@ -254,18 +238,8 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
     rng = random.Random(opts.seed)
     train_idx, val_idx = split if split is not None else seeded_split(len(data), opts.val_fraction, rng)
     tables = loss_tables(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": opts.weight_decay},
-                               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                              lr=opts.lr, betas=(0.9, 0.95))
-    step, history = 0, []
-    if state_path is not None and Path(state_path).exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"], strict=False)
-        optim.load_state_dict(st["optim"])
-        step, history = st["step"], st["history"]
-        rng.setstate(st["rng"])
-        log(f"resumed from {state_path} at step {step}")
+    params, optim = make_optimizer(model, opts)
+    step, history = resume(state_path, model, optim, rng, log)
     model.train()
     if val_idx and step == 0:
         first = evaluate(model, data, val_idx, opts, tables, val_groups)
@@ -304,11 +278,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
             history.append({"step": step, "train_loss": loss_sum / n_rows, **ev})
             if ev:
                 log(f"step {step}: train loss {loss_sum / n_rows:.4f} val {ev}")
-            if state_path is not None:
-                tmp = Path(state_path).with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
-                            "history": history, "rng": rng.getstate()}, tmp)
-                tmp.replace(state_path)
+            save_state(state_path, model, optim, step, history, rng)
     bar.close()
     return {"steps": step, "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
             "train_sequences": len(train_idx), "val_sequences": len(val_idx)}
@@ -316,9 +286,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
 
 def hash_split(data: FeatureData, items: list[dict], opts: FalconTrainOptions):
     """((train, validation) sequences, validation sequences by prompt source): held out by a hash of the prompt, the
-    same prompts GLIDE's training holds out (``training.glide.held_out``), so the two read alike."""
-    from training.glide import held_out, source_group
-
+    same prompts GLIDE's training holds out (``training.common.held_out``), so the two read alike."""
     train_idx, val_idx, groups = [], [], {}
     for i, n in enumerate(data.index):
         it = items[n]
@@ -345,28 +313,13 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
                      progress: bool = True, log=print) -> Path:
     """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.falcon.model import default_checkpoint
-    from server.engine import load_target
-    from server.model_files import load_tokenizer
-    from server.tokenization import stop_token_ids
 
     opts = opts or FalconTrainOptions()
-    torch.manual_seed(opts.seed)
-    target = load_target(cfg, progress=progress)
+    run = prepare_run(cfg, opts.seed, data_path, max_new_tokens, gen_batch, limit, vocab_subset, text_tokens,
+                      progress, log)
+    target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     out = Path(out) if out else default_checkpoint(target.model_id)
-    data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
-    tokenizer = load_tokenizer(target.hf_dir)
-    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
-    vocab_ids = vocab_by_frequency(items, target.args.vocab_size, vocab_subset, stops)
-    log(f"{len(items)} sequences, {sum(len(i['response_ids']) for i in items)} answer tokens; kept vocabulary "
-        f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
-    text_items = []
-    if text_tokens:
-        from training.text import shipped_text_items
-        text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
-        log(f"+ {len(text_items)} sequences of shipped text")
     model = build_model(target, vocab_ids, k)
-    wd = work_dir(cfg, target.model_id)
-    wd.mkdir(parents=True, exist_ok=True)
     tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}"
     feat_file = wd / f"features-{tag}.pt"
     data = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
@@ -384,7 +337,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     card = {
         "target": target.model_id, "drafter": "falcon",
         "architecture": {key: v for key, v in model.c.__dict__.items() if key != "extra"},
-        "data": {"file": data_file.name, "sequences": len(items),
+        "data": {"file": run.data_file.name, "sequences": len(items),
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
                  "shipped_text_sequences": len(text_items)},
         "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"}},

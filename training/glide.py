@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from core.ops import rms_norm
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
-from training.data import stable_unit
+from training.common import (data_sources, held_out, is_shipped_text, lr_at, make_optimizer, prepare_run, resume,
+                             save_state, seeded_split, source_group)
+from training.teacher import TeacherData, cached_teacher, teacher_key, usable
 
 
 @dataclass
@@ -50,129 +49,6 @@ class TrainOptions:
     autocast: bool = True          # bfloat16 autocast for the matmuls (AMX on CPU, tensor cores on GPU)
     train_tokens: int = 0          # > 0: train on a seeded subset of about this many answer tokens (shipped text apart)
     source_weights: tuple[tuple[str, int], ...] = ()  # (source, w): that source's answers come w times per epoch
-
-
-# -- teacher pass -------------------------------------------------------------------------------------------------
-@dataclass
-class TeacherData:
-    """Flat per-token tensors with per-sequence offsets."""
-
-    tokens: list[torch.Tensor]      # per sequence [T] long
-    answer_start: list[int]         # first position whose next token is an answer token (prompt_len - 1)
-    kv: list[torch.Tensor]          # per sequence [n_read, 2, H_kv, T, D] (bf16/fp16) or empty for vanilla
-    hidden: list[torch.Tensor]      # per sequence [T - 1 - answer_start, hidden] final-normed target states
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-@torch.inference_mode()
-def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int, store_dtype=torch.bfloat16,
-                 progress: bool = True) -> TeacherData:
-    """One target forward per sequence (prompt + answer, cut to ``max_len``)."""
-    from server.engine.backend import make_attention
-    from server.engine.model import Segment
-
-    model = target.model
-    a = model.args
-    dev = target.device
-    k = torch.zeros(a.num_layers, a.num_kv_heads, max_len, a.head_dim, dtype=target.dtype, device=dev)
-    v = torch.zeros_like(k)
-    out = TeacherData([], [], [], [])
-    for it in tqdm(items, desc="teacher pass", unit="seq", disable=not progress):
-        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
-        start = len(it["prompt_ids"]) - 1
-        T = len(ids)
-        if T - 1 - start < 1:
-            continue
-        tok = torch.tensor(ids, dtype=torch.long, device=dev)
-        attn = make_attention(dev, 0, T, None, target.dtype, max_len)
-        h = model(tok, torch.arange(T, device=dev), [Segment(0, T, k, v, 0, None, attn)])
-        normed = rms_norm(h[start:T - 1], model.norm, a.rms_norm_eps)
-        out.tokens.append(tok.cpu())
-        out.answer_start.append(start)
-        out.kv.append(torch.stack([torch.stack([k[l, :, :T], v[l, :, :T]]) for l in read_layers])
-                      .to("cpu", store_dtype).clone() if read_layers else torch.empty(0))
-        out.hidden.append(normed.to("cpu", store_dtype).clone())
-    return out
-
-
-def usable(item: dict, max_len: int) -> bool:
-    """Whether a sequence cut to ``max_len`` keeps at least one answer position (what ``teacher_pass`` keeps)."""
-    return len(item["response_ids"]) >= 1 and len(item["prompt_ids"]) < max_len
-
-
-def teacher_key(item: dict, max_len: int) -> str:
-    """What a sequence's teacher outputs depend on besides the target and the layers read: its tokens as cut."""
-    ids = (list(item["prompt_ids"]) + list(item["response_ids"]))[:max_len]
-    return hashlib.blake2b(json.dumps([len(item["prompt_ids"]), ids]).encode(), digest_size=16).hexdigest()
-
-
-def cached_teacher(target, items: list[dict], read_layers: list[int], max_len: int, cache: Path,
-                   shard_size: int = 512, progress: bool = True, log=print) -> tuple[TeacherData, list[int]]:
-    """``teacher_pass`` over the usable ``items``, cached by content in shards under ``cache`` (one directory per
-    target, layers read, max_len and dtype: the caller names it). Returns the data and, per row, the item's index.
-
-    Only sequences no shard holds are computed, in shards written as they finish: more answers, a subset of them or
-    a killed run cost only what is new."""
-    cache = Path(cache)
-    cache.mkdir(parents=True, exist_ok=True)
-    rows = [i for i, it in enumerate(items) if usable(it, max_len)]
-    keys = [teacher_key(items[i], max_len) for i in rows]
-    want, found = set(keys), {}
-    for f in sorted(cache.glob("shard-*.pt")):
-        sh = torch.load(f, weights_only=True)
-        for j, k in enumerate(sh["keys"]):
-            if k in want and k not in found:
-                found[k] = (sh["tokens"][j], sh["answer_start"][j], sh["kv"][j], sh["hidden"][j])
-        del sh
-    todo = list(dict.fromkeys(k for k in keys if k not in found))
-    if found:
-        log(f"teacher cache {cache}: {len(want) - len(todo)} of {len(want)} sequences cached, {len(todo)} to compute")
-    first = {k: i for k, i in zip(reversed(keys), reversed(rows))}
-    for a in range(0, len(todo), shard_size):
-        part = todo[a:a + shard_size]
-        t = teacher_pass(target, [items[first[k]] for k in part], read_layers, max_len, progress=progress)
-        assert len(t) == len(part)
-        _save = {"keys": part, **t.__dict__}
-        name = hashlib.blake2b("".join(part).encode(), digest_size=8).hexdigest()
-        tmp = cache / f"shard-{name}.pt.tmp"
-        torch.save(_save, tmp)
-        tmp.replace(cache / f"shard-{name}.pt")
-        for j, k in enumerate(part):
-            found[k] = (t.tokens[j], t.answer_start[j], t.kv[j], t.hidden[j])
-    out = TeacherData([], [], [], [])
-    for k in keys:
-        tok, start, kv, hidden = found[k]
-        out.tokens.append(tok)
-        out.answer_start.append(start)
-        out.kv.append(kv)
-        out.hidden.append(hidden)
-    return out, rows
-
-
-def is_shipped_text(item: dict) -> bool:
-    """A sequence of shipped text (``training/text.py``), not an answer of the target."""
-    return str(item.get("source", "")).startswith("text:")
-
-
-def source_group(item: dict) -> str:
-    """The name a validation sequence is reported under: its prompt source, shipped text as one group."""
-    return "text" if is_shipped_text(item) else str(item.get("source", "")) or "answers"
-
-
-def seeded_split(n: int, val_fraction: float, rng: random.Random) -> tuple[list[int], list[int]]:
-    """(train, validation) of n sequences when no split is given: a ``val_fraction`` drawn with ``rng``."""
-    order = list(range(n))
-    rng.shuffle(order)
-    n_val = max(1, int(n * val_fraction)) if n > 1 else 0
-    return order[n_val:] or order, order[:n_val]
-
-
-def held_out(prompt_ids, seed: int, val_fraction: float) -> bool:
-    """Whether a sequence is in the validation set: by a hash of its prompt, so every drafter's training (GLIDE,
-    Falcon) holds out the same prompts whatever subset or weighting it trains on."""
-    return stable_unit("glide-val", seed, list(prompt_ids)) < val_fraction
 
 
 def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[list[int], list[int]]:
@@ -196,26 +72,6 @@ def split_rows(items: list[dict], rows: list[int], opts: TrainOptions) -> tuple[
     weights = dict(opts.source_weights)
     train = [r for r in train for _ in range(weights.get(items[rows[r]].get("source", ""), 1))]
     return train, val
-
-
-def vocab_by_frequency(items: list[dict], vocab_size: int, keep: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The ``keep`` most frequent answer tokens (ties by id), plus ``always`` (stop tokens), sorted by frequency."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for it in items:
-        counts += torch.bincount(torch.tensor(it["response_ids"], dtype=torch.long), minlength=vocab_size)
-    for t in always:
-        counts[t] = counts.max() + 1
-    if keep <= 0 or keep >= vocab_size:
-        return torch.arange(vocab_size)
-    return torch.sort(torch.argsort(-counts, stable=True)[:keep]).values
-
-
-def coverage(items: list[dict], vocab_ids: torch.Tensor, vocab_size: int) -> float:
-    kept = torch.zeros(vocab_size, dtype=torch.bool)
-    kept[vocab_ids] = True
-    total = sum(len(it["response_ids"]) for it in items)
-    hit = sum(int(kept[torch.tensor(it["response_ids"])].sum()) for it in items)
-    return hit / max(1, total)
 
 
 # -- training -----------------------------------------------------------------------------------------------------
@@ -285,13 +141,6 @@ def loss_tables(model: GlideModel) -> tuple[torch.Tensor, torch.Tensor]:
     return head_t, local
 
 
-def lr_at(step: int, opts: TrainOptions) -> float:
-    if step < opts.warmup:
-        return opts.lr * (step + 1) / opts.warmup
-    t = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
-    return opts.lr * (opts.min_lr_ratio + (1 - opts.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
-
-
 def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: Path | None = None,
           progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None,
           val_groups: dict[str, list[int]] | None = None) -> dict:
@@ -301,19 +150,8 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
     rng = random.Random(opts.seed)
     train_idx, val_idx = split if split is not None else seeded_split(len(data), opts.val_fraction, rng)
     head_t, local = loss_tables(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}], lr=opts.lr, betas=(0.9, 0.95))
-    step, history = 0, []
-    if state_path is not None and Path(state_path).exists():
-        st = torch.load(state_path, weights_only=False)
-        model.load_state_dict(st["model"], strict=False)
-        optim.load_state_dict(st["optim"])
-        step, history = st["step"], st["history"]
-        rng.setstate(st["rng"])
-        log(f"resumed from {state_path} at step {step}")
+    params, optim = make_optimizer(model, opts)
+    step, history = resume(state_path, model, optim, rng, log)
     model.train()
     first = evaluate(model, data, val_idx, opts, head_t, local, val_groups) if val_idx and step == 0 else None
     if first:
@@ -352,11 +190,7 @@ def train(model: GlideModel, data: TeacherData, opts: TrainOptions, state_path: 
                 log(f"step {step}: train loss {loss_sum / n_tok:.4f} val loss {ev['loss']:.4f} "
                     f"agreement {ev['agreement']:.4f} by delay {ev['agreement_by_delay']} "
                     f"by group {ev.get('agreement_by_group', {})}")
-            if state_path is not None:
-                tmp = Path(state_path).with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
-                            "history": history, "rng": rng.getstate()}, tmp)
-                tmp.replace(state_path)
+            save_state(state_path, model, optim, step, history, rng)
     bar.close()
     return {"steps": step, "history": history, "train_seconds": round(time.perf_counter() - t0, 1),
             "train_sequences": len(set(train_idx)), "train_rows_per_epoch": len(train_idx),
@@ -377,43 +211,6 @@ def build_model(target, vocab_ids: torch.Tensor, cross_attention: bool = True, *
 
 
 # -- the whole pipeline (``specserve train glide``) ------------------------------------------------------------
-def data_sources(items: list[dict]) -> dict[str, int]:
-    """Answers per prompt source (`chat`, `humaneval`, `synth`, ...), the target's turns inside synthesized
-    conversations counted apart: what a checkpoint's card says it learned from."""
-    return dict(sorted(Counter(i.get("source", "") + ("-conversation" if "turn" in i else "") for i in items).items()))
-
-
-def work_dir(cfg, model_id: str) -> Path:
-    from server.model_files import default_cache_dir
-
-    return Path(cfg.model.cache_dir or default_cache_dir()) / "train" / model_id
-
-
-def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_size: int, limit: int | None,
-                progress: bool = True, log=print) -> tuple[Path, list[dict]]:
-    """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
-    the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
-    batched engine (resumable; training/data.py)."""
-    from training.data import AnswerSettings, answer_records, load_responses, prompt_records
-    from training.synth import default_out_dir
-
-    path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
-    data = load_responses(path) if path.exists() else None
-    if data is None or not data.get("complete", False):
-        records = prompt_records(None, default_out_dir(cfg, target.model_id) / "train.jsonl", log)
-        records = records[:limit] if limit else records
-        # A file from before the sharded format holds as many items as prompts when it is complete.
-        if data is None or "complete" in data or len(data["items"]) < len(records):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log(f"generating target answers for {len(records)} prompts into {path}")
-            data = answer_records(cfg, target, records, path, AnswerSettings(max_new_tokens=max_new_tokens),
-                                  batch=batch_size, progress=progress, log=log)
-    if data["model_id"] != target.model_id:
-        raise ValueError(f"{path} holds answers of {data['model_id']!r}, not of the target {target.model_id!r}")
-    items = data["items"][:limit] if limit else data["items"]
-    return path, items
-
-
 def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_path: Path | None = None,
                     opts: TrainOptions | None = None, vocab_subset: int = 8192, max_new_tokens: int = 256,
                     gen_batch: int = 32, limit: int | None = None, text_tokens: int = 0, progress: bool = True,
@@ -422,32 +219,16 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
     from drafters.glide.model import default_checkpoint
     from training.data import temperature_counts
-    from server.engine import load_target
-    from server.model_files import load_tokenizer
-    from server.tokenization import stop_token_ids
 
     opts = opts or TrainOptions()
-    torch.manual_seed(opts.seed)
-    target = load_target(cfg, progress=progress)
+    run = prepare_run(cfg, opts.seed, data_path, max_new_tokens, gen_batch, limit, vocab_subset, text_tokens,
+                      progress, log)
+    target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     name = "vanilla" if vanilla else "glide"
     out = Path(out) if out else default_checkpoint(target.model_id, name)
-    data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
-    tokenizer = load_tokenizer(target.hf_dir)
-    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
-    vocab_ids = vocab_by_frequency(items, target.args.vocab_size, vocab_subset, stops)
-    log(f"{len(items)} sequences, {sum(len(i['response_ids']) for i in items)} answer tokens; kept vocabulary "
-        f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
-    text_items = []
-    if text_tokens:
-        from training.text import shipped_text_items
-        text_items = shipped_text_items(tokenizer, text_tokens, seed=opts.seed)
-        log(f"+ {len(text_items)} sequences ({sum(len(i['response_ids']) + 1 for i in text_items)} tokens) of "
-            "shipped text for teacher forcing")
     model = build_model(target, vocab_ids, cross_attention=not vanilla, **model_overrides)
     # The vanilla drafter ignores the K/V, but shares the teacher file (and so the data) with GLIDE.
     read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
-    wd = work_dir(cfg, target.model_id)
-    wd.mkdir(parents=True, exist_ok=True)
     everything = items + text_items
     layers = f"{opts.max_len}-{'_'.join(map(str, read)) or 'none'}-{str(target.dtype)[6:]}"
     rows = [i for i, it in enumerate(everything) if usable(it, opts.max_len)]
@@ -472,7 +253,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     card = {
         "target": target.model_id, "drafter": name, "architecture": {
             k: v for k, v in model.c.__dict__.items() if k not in ("extra",)},
-        "data": {"file": data_file.name, "sequences": len(items),
+        "data": {"file": run.data_file.name, "sequences": len(items),
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
                  "prompts": data_sources(items),
                  "answers": "the target's own answers (see the data file's card), at most %d new tokens"

@@ -42,7 +42,8 @@ import numpy as np
 from tqdm import tqdm
 
 from training import prompts as hand
-from training.data import BatchedGenerator, GenRequest, GenResult, stable_int, stable_unit
+from training.common import stable_int, stable_unit
+from training.data import BatchedGenerator, GenRequest, GenResult
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prompts"
 MARK = "\u2063MAGPIE-USER-TURN\u2063"  # a placeholder user message, cut out of the rendered template
@@ -501,12 +502,6 @@ def synth_job(plan: dict, s: SynthSettings, tpl: Templates):
 
 
 # -- the pipeline ----------------------------------------------------------------------------------------------------
-def default_out_dir(cfg, model_id: str) -> Path:
-    from training.glide import work_dir
-
-    return work_dir(cfg, model_id) / "synth"
-
-
 def _check_plan(out: Path, plan: dict) -> None:
     path = out / "plan.json"
     if path.exists():

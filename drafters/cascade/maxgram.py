@@ -12,7 +12,6 @@ The bigram table is one next-token id per vocabulary entry, counted over text th
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import torch
 from core.tree import DraftTree, VerifyResult
 from drafters.base import SequenceView, TargetView
 
-from drafters.checkpoint import CHECKPOINT_DIR
+from drafters.checkpoint import default_path, write_card
 MAX_MATCH = 64  # longer matches continue the same way; the cap bounds the search on degenerate repetitive text
 
 
@@ -30,7 +29,7 @@ class BigramTableError(RuntimeError):
 
 
 def default_bigram_path(target_id: str) -> Path:
-    return CHECKPOINT_DIR / target_id / "bigram.safetensors"
+    return default_path(target_id, "bigram")
 
 
 def save_bigram(path: str | Path, table: torch.Tensor, target_id: str, card: dict | None = None) -> None:
@@ -41,8 +40,7 @@ def save_bigram(path: str | Path, table: torch.Tensor, target_id: str, card: dic
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"next_token": table.to(torch.int32).contiguous()}, str(path),
               metadata={"target_id": target_id, "vocab_size": str(len(table))})
-    if card is not None:
-        path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    write_card(path, card)
 
 
 def load_bigram(target: TargetView, path: str | Path | None = None) -> np.ndarray:

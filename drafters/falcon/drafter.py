@@ -30,6 +30,7 @@ from core.sampling import race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.adaptive import AdaptiveLength, AdaptiveStop
 from drafters.base import SequenceView, TargetView
+from drafters.checkpoint import load_drafter_model
 from drafters.falcon.model import FalconCheckpointError, FalconModel, check_fits, default_checkpoint
 
 
@@ -65,16 +66,10 @@ class _Tree:
 
 
 def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> FalconModel:
-    path = Path(checkpoint) if checkpoint else default_checkpoint(target.model_id)
-    if not path.is_file():
-        raise FalconCheckpointError(
-            f"no Falcon checkpoint for target {target.model_id!r} at {path}; train one with "
-            f"`specserve train falcon --config <your config>` (it writes {default_checkpoint(target.model_id)}) or "
-            f"set the drafter's `checkpoint` option")
-    model = FalconModel.load(path)
-    check_fits(model.c, target.args, target.model_id, path)
-    model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return model.attach(target.embed_weight, target.lm_head_weight)
+    """The head for this target (default: drafters/checkpoints/<target id>/falcon.safetensors), on its device."""
+    default = default_checkpoint(target.model_id)
+    return load_drafter_model(target, FalconModel.load, check_fits, Path(checkpoint) if checkpoint else default,
+                              default, FalconCheckpointError, "Falcon checkpoint", "train falcon")
 
 
 class FalconDrafter:

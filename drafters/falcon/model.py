@@ -34,7 +34,7 @@ from torch import nn
 
 from core.ops import Rope, apply_rope, linear, rms_norm
 
-from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
+from drafters.checkpoint import check_target, default_path, read_model, save_checkpoint
 
 
 class FalconCheckpointError(RuntimeError):
@@ -179,30 +179,19 @@ class FalconModel(nn.Module):
 
     @classmethod
     def load(cls, path: Path) -> "FalconModel":
-        config, state = read_checkpoint(path, "falcon_config", FalconCheckpointError, "Falcon checkpoint")
-        model = cls(FalconConfig(**config))
-        model.vocab_ids = torch.empty_like(state["vocab_ids"])
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("rope.")]
-        if missing or unexpected:
-            raise FalconCheckpointError(f"{path}: weight mismatch: missing={missing} unexpected={unexpected}")
-        return model.float()
+        return read_model(cls, FalconConfig, path, "falcon_config", FalconCheckpointError, "Falcon checkpoint")
 
 
 def default_checkpoint(target_id: str) -> Path:
-    return CHECKPOINT_DIR / target_id / "falcon.safetensors"
+    return default_path(target_id, "falcon")
 
 
 def check_fits(c: FalconConfig, target_args, target_id: str, path: Path) -> None:
     """Fail clearly when a checkpoint was trained for another target."""
     how = (f"train one with `specserve train falcon` or point the drafter's `checkpoint` option at a checkpoint "
            f"trained for {target_id!r}")
-    if c.target_id != target_id:
-        raise FalconCheckpointError(f"{path} was trained for target {c.target_id!r}, not {target_id!r}; {how}")
     a = target_args
-    want = (a.vocab_size, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
-    got = (c.vocab_size, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
-    if want != got:
-        raise FalconCheckpointError(f"{path} expects target shapes (vocab, hidden, heads, kv heads, head dim) = "
-                                    f"{got}, the target has {want}; {how}")
+    check_target(path, FalconCheckpointError, how, c.target_id, target_id, "vocab, hidden, heads, kv heads, head dim",
+                 (c.vocab_size, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim),
+                 (a.vocab_size, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim))
 

@@ -24,6 +24,7 @@ from core.tree import DraftTree, VerifyResult
 from drafters.adaptive import AdaptiveLength, AdaptiveStop
 from drafters.base import SequenceView, TargetView
 from drafters.cape import PAPER_BINS, cape_tree, check_bins
+from drafters.checkpoint import load_drafter_model
 from drafters.glide.model import GlideCheckpointError, GlideModel, causal_visibility, check_fits, default_checkpoint
 
 
@@ -49,16 +50,9 @@ def _sync(st: _State, tokens: list[int]) -> None:
 
 def load_glide(target: TargetView, checkpoint: str | Path | None = None, name: str = "glide") -> GlideModel:
     """The checkpoint for this target (default: drafters/checkpoints/<target id>/glide.safetensors), on its device."""
-    path = Path(checkpoint) if checkpoint else default_checkpoint(target.model_id, name)
-    if not path.is_file():
-        raise GlideCheckpointError(
-            f"no GLIDE checkpoint for target {target.model_id!r} at {path}; train one with "
-            f"`specserve train glide --config <your config>` (it writes {default_checkpoint(target.model_id, name)}) "
-            f"or set the drafter's `checkpoint` option")
-    model = GlideModel.load(path)
-    check_fits(model.c, target.args, target.model_id, path)
-    model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return model.attach(target.embed_weight, target.lm_head_weight)
+    default = default_checkpoint(target.model_id, name)
+    return load_drafter_model(target, GlideModel.load, check_fits, Path(checkpoint) if checkpoint else default,
+                              default, GlideCheckpointError, "GLIDE checkpoint", "train glide")
 
 
 class GlideDrafter:

@@ -29,7 +29,7 @@ from torch import nn
 
 from core.ops import Rope, apply_rope, linear, rms_norm
 
-from drafters.checkpoint import CHECKPOINT_DIR, read_checkpoint, save_checkpoint
+from drafters.checkpoint import check_target, default_path, read_model, save_checkpoint
 
 
 class GlideCheckpointError(RuntimeError):
@@ -282,29 +282,20 @@ class GlideModel(nn.Module):
 
     @classmethod
     def load(cls, path: Path) -> "GlideModel":
-        config, state = read_checkpoint(path, "glide_config", GlideCheckpointError, "GLIDE checkpoint")
-        model = cls(GlideConfig(**config))
-        model.vocab_ids = torch.empty_like(state["vocab_ids"])  # the subset size comes from the file
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("rope.")]
-        if missing or unexpected:
-            raise GlideCheckpointError(f"{path}: weight mismatch: missing={missing} unexpected={unexpected}")
-        return model.float()
+        return read_model(cls, GlideConfig, path, "glide_config", GlideCheckpointError, "GLIDE checkpoint")
 
 
 def default_checkpoint(target_id: str, name: str = "glide") -> Path:
-    return CHECKPOINT_DIR / target_id / f"{name}.safetensors"
+    return default_path(target_id, name)
 
 
 def check_fits(c: GlideConfig, target_args, target_id: str, path: Path) -> None:
     """Fail clearly when a checkpoint was trained for another target."""
     how = (f"train one with `specserve train glide` (see training/glide.py) or point the drafter's "
            f"`checkpoint` option at a checkpoint trained for {target_id!r}")
-    if c.target_id != target_id:
-        raise GlideCheckpointError(f"{path} was trained for target {c.target_id!r}, not {target_id!r}; {how}")
     a = target_args
-    want = (a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim)
-    got = (c.vocab_size, c.target_hidden, c.target_num_layers, c.target_num_heads, c.target_num_kv_heads, c.head_dim)
-    if want != got:
-        raise GlideCheckpointError(f"{path} expects target shapes (vocab, hidden, layers, heads, kv heads, head dim) "
-                                   f"= {got}, the target has {want}; {how}")
+    check_target(path, GlideCheckpointError, how, c.target_id, target_id,
+                 "vocab, hidden, layers, heads, kv heads, head dim",
+                 (c.vocab_size, c.target_hidden, c.target_num_layers, c.target_num_heads, c.target_num_kv_heads,
+                  c.head_dim),
+                 (a.vocab_size, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim))

@@ -244,17 +244,11 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 
 # -- training ---------------------------------------------------------------------------------------------------
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
+    from training.common import vocab_by_frequency
     from training.data import generate_responses
-    from training.glide import (
-        TrainOptions,
-        build_model,
-        evaluate,
-        loss_tables,
-        teacher_pass,
-        train,
-        vocab_by_frequency,
-    )
+    from training.glide import TrainOptions, build_model, evaluate, loss_tables, train
     from training.prompts import training_records
+    from training.teacher import teacher_pass
 
     recs = training_records(humaneval=False)[::200][:4]
     data = generate_responses(target32.hf_dir, target32.model_id, recs, tmp_path / "answers.pt", max_new_tokens=24,
@@ -303,7 +297,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
 
 
 def test_the_teacher_cache_computes_each_sequence_once_and_matches_the_pass(target32, tmp_path, monkeypatch):
-    import training.glide as tg
+    import training.teacher as tg
 
     g = torch.Generator().manual_seed(0)
     items = [{"prompt_ids": torch.randint(5, 1000, (p,), generator=g).tolist(),

@@ -9,11 +9,10 @@ import time
 import pytest
 
 from training.data import (AnswerSettings, BatchedGenerator, GenRequest, answer_records, answer_temperature,
-                                 length_histogram, load_responses, prompt_records, shard_dir, single)
+                           length_histogram, load_responses, prompt_records, shard_dir, single)
 from training.synth import (CATEGORIES, BenchmarkGuard, FilterConfig, NearDuplicates, Selection, SynthSettings,
-                                  Templates, benchmark_texts, echoes, is_heldout, job_plan, read_jsonl,
-                                  repeat_share, repeats_a_sentence, shingles, synthesize_prompts, text_reason,
-                                  turn_reason, words)
+                            Templates, benchmark_texts, echoes, is_heldout, job_plan, read_jsonl, repeat_share,
+                            repeats_a_sentence, shingles, synthesize_prompts, text_reason, turn_reason, words)
 
 
 # -- filters ------------------------------------------------------------------------------------------------------
@@ -278,7 +277,8 @@ def test_batched_generator_matches_one_sequence_at_a_time(fp32_config, target32,
 
 def test_answers_are_resumable_and_feed_glide_and_bigram(fp32_config, target32, tokenizer, tmp_path):
     from training.bigram import count_bigrams
-    from training.glide import ensure_data, vocab_by_frequency
+    from training.common import vocab_by_frequency
+    from training.data import ensure_data
     from server.tokenization import encode_chat, encode_record, stop_token_ids
 
     synth_file = tmp_path / "synth.jsonl"

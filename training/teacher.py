@@ -1,0 +1,106 @@
+"""The teacher pass: one forward of the target per training sequence (prompt + answer), through the engine's public
+``Target.forward``, keeping what a drafter learns from: the K/V of the target layers GLIDE reads and the target's
+final-normed hidden states (at the answer positions for GLIDE and the acceptance heads, at every position for
+Falcon's features). ``cached_teacher`` keeps GLIDE's passes on disk by content, so more answers, a subset of them or a
+killed run compute only what is new."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class TeacherData:
+    """Flat per-sequence tensors."""
+
+    tokens: list[torch.Tensor]      # per sequence [T] long
+    answer_start: list[int]         # first position whose next token is an answer token (prompt_len - 1)
+    kv: list[torch.Tensor]          # per sequence [n_read, 2, H_kv, T, D] (bf16/fp16), or empty when no layer is read
+    hidden: list[torch.Tensor]      # per sequence final-normed target states: [T - 1 - answer_start, hidden] at the
+                                    # answer positions, or [T, hidden] with ``all_positions``
+    index: list[int] = field(default_factory=list)  # per sequence: its position in the items the pass read
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@torch.inference_mode()
+def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int, store_dtype=torch.bfloat16,
+                 progress: bool = True, all_positions: bool = False, min_answer: int = 1) -> TeacherData:
+    """One target forward per sequence (prompt + answer, cut to ``max_len``); a sequence with fewer than
+    ``min_answer`` answer positions left is skipped (``index`` says which were kept)."""
+    out = TeacherData([], [], [], [], [])
+    for n, it in enumerate(tqdm(items, desc="teacher pass", unit="seq", disable=not progress)):
+        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
+        start = len(it["prompt_ids"]) - 1
+        T = len(ids)
+        if T - 1 - start < min_answer:
+            continue
+        tp = target.forward(ids)
+        normed = target.final_norm(tp.hidden if all_positions else tp.hidden[start:T - 1])
+        out.tokens.append(torch.tensor(ids, dtype=torch.long))
+        out.answer_start.append(start)
+        out.kv.append(torch.stack([torch.stack([tp.k[layer], tp.v[layer]]) for layer in read_layers])
+                      .to("cpu", store_dtype).clone() if read_layers else torch.empty(0))
+        out.hidden.append(normed.to("cpu", store_dtype).clone())
+        out.index.append(n)
+    return out
+
+
+def usable(item: dict, max_len: int) -> bool:
+    """Whether a sequence cut to ``max_len`` keeps at least one answer position (what ``teacher_pass`` keeps)."""
+    return len(item["response_ids"]) >= 1 and len(item["prompt_ids"]) < max_len
+
+
+def teacher_key(item: dict, max_len: int) -> str:
+    """What a sequence's teacher outputs depend on besides the target and the layers read: its tokens as cut."""
+    ids = (list(item["prompt_ids"]) + list(item["response_ids"]))[:max_len]
+    return hashlib.blake2b(json.dumps([len(item["prompt_ids"]), ids]).encode(), digest_size=16).hexdigest()
+
+
+def cached_teacher(target, items: list[dict], read_layers: list[int], max_len: int, cache: Path,
+                   shard_size: int = 512, progress: bool = True, log=print) -> tuple[TeacherData, list[int]]:
+    """``teacher_pass`` over the usable ``items``, cached by content in shards under ``cache`` (one directory per
+    target, layers read, max_len and dtype: the caller names it). Returns the data and, per row, the item's index.
+
+    Only sequences no shard holds are computed, in shards written as they finish: more answers, a subset of them or
+    a killed run cost only what is new."""
+    cache = Path(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = [i for i, it in enumerate(items) if usable(it, max_len)]
+    keys = [teacher_key(items[i], max_len) for i in rows]
+    want, found = set(keys), {}
+    for f in sorted(cache.glob("shard-*.pt")):
+        sh = torch.load(f, weights_only=True)
+        for j, k in enumerate(sh["keys"]):
+            if k in want and k not in found:
+                found[k] = (sh["tokens"][j], sh["answer_start"][j], sh["kv"][j], sh["hidden"][j])
+        del sh
+    todo = list(dict.fromkeys(k for k in keys if k not in found))
+    if found:
+        log(f"teacher cache {cache}: {len(want) - len(todo)} of {len(want)} sequences cached, {len(todo)} to compute")
+    first = {k: i for k, i in zip(reversed(keys), reversed(rows))}
+    for a in range(0, len(todo), shard_size):
+        part = todo[a:a + shard_size]
+        t = teacher_pass(target, [items[first[k]] for k in part], read_layers, max_len, progress=progress)
+        assert len(t) == len(part)
+        _save = {"keys": part, **{f: getattr(t, f) for f in ("tokens", "answer_start", "kv", "hidden")}}
+        name = hashlib.blake2b("".join(part).encode(), digest_size=8).hexdigest()
+        tmp = cache / f"shard-{name}.pt.tmp"
+        torch.save(_save, tmp)
+        tmp.replace(cache / f"shard-{name}.pt")
+        for j, k in enumerate(part):
+            found[k] = (t.tokens[j], t.answer_start[j], t.kv[j], t.hidden[j])
+    out = TeacherData([], [], [], [], [])
+    for k in keys:
+        tok, start, kv, hidden = found[k]
+        out.tokens.append(tok)
+        out.answer_start.append(start)
+        out.kv.append(kv)
+        out.hidden.append(hidden)
+    return out, rows
