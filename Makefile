@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-floor serve bench clean prometheus jemalloc
+.PHONY: setup test test-quick test-floor serve bench clean prometheus jemalloc
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -35,8 +35,13 @@ endef
 prometheus:
 	$(call apt_install,command -v prometheus,prometheus,to run the Prometheus scrape tests)
 
+# Every tier (markers in pyproject.toml), with the slowest tests listed at the end.
 test: setup prometheus
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The same setup and command without the slow, server and statistical tiers (`make test` still runs them all).
+test-quick: setup prometheus
+	$(PY) -m pytest -q --durations=25 -m "not slow and not server and not statistical" $(PYTEST_ARGS)
 
 # The oldest transformers pyproject.toml admits, in a venv of its own: the runner still matches it bit for bit.
 # (The torch floor is not tested here: the only torch on these machines' disk is the pinned CPU wheel.)
@@ -51,7 +56,7 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
 
 # jemalloc for the server: plain bf16 decoding ran 1.13-1.26x faster with it preloaded than with glibc's malloc on a
-# 2-core AMD EPYC (README, Benchmarks).
+# 2-core AMD EPYC (docs/benchmarks.md).
 jemalloc:
 	$(call apt_install,ls /usr/lib/*/libjemalloc.so.2,libjemalloc2,for faster CPU serving)
 

@@ -91,6 +91,24 @@ def coverage(items: list[dict], vocab_ids: torch.Tensor, vocab_size: int) -> flo
 
 
 # -- optimisation -------------------------------------------------------------------------------------------------
+@dataclass
+class TrainerOptions:
+    """The recipe every drafter trainer shares; each trainer's options add their own fields."""
+
+    steps: int = 1200
+    batch_tokens: int = 4096       # loss positions per optimizer step (whole sequences)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_len: int = 768             # training sequences are cut to this many tokens
+    val_fraction: float = 0.05
+    save_every: int = 100
+    seed: int = 0
+    autocast: bool = True          # bfloat16 autocast for the matmuls (AMX on CPU, tensor cores on GPU)
+
+
 def lr_at(step: int, opts) -> float:
     """Linear warm-up over ``opts.warmup`` steps, then cosine decay to ``opts.min_lr_ratio`` of ``opts.lr``."""
     if step < opts.warmup:

@@ -41,25 +41,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
-from training.common import (held_out, lr_at, make_optimizer, prepare_run, resume, save_state, seeded_split,
-                             source_group)
+from training.common import (TrainerOptions, held_out, lr_at, make_optimizer, prepare_run, resume, save_state,
+                             seeded_split, source_group)
 from training.teacher import teacher_pass
 
 
 @dataclass
-class FalconTrainOptions:
-    steps: int = 1200
-    batch_tokens: int = 4096       # loss rows per optimizer step (whole sequences)
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 50
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    max_len: int = 768             # training sequences are cut to this many tokens
-    val_fraction: float = 0.05
-    save_every: int = 100
-    seed: int = 0
-    autocast: bool = True          # bfloat16 autocast for the matmuls
+class FalconTrainOptions(TrainerOptions):
     csgd: bool = True              # False: plain teacher forcing (the ablation)
     glance: float = 0.4            # lambda at step 0, decaying linearly to 0
     noise: float = 0.1             # U(-noise, noise) on input features

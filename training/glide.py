@@ -26,27 +26,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
-from training.common import (data_sources, held_out, is_shipped_text, lr_at, make_optimizer, prepare_run, resume,
-                             save_state, seeded_split, source_group)
+from training.common import (TrainerOptions, data_sources, held_out, is_shipped_text, lr_at, make_optimizer,
+                             prepare_run, resume, save_state, seeded_split, source_group)
 from training.teacher import TeacherData, cached_teacher, teacher_key, usable
 
 
 @dataclass
-class TrainOptions:
-    steps: int = 1200
-    batch_tokens: int = 4096       # answer tokens per optimizer step (whole sequences)
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 50
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+class TrainOptions(TrainerOptions):
     block_len: int = 5             # the paper's block length for the cross-attention mask
     loss: str = "kl"               # "kl" (to the target's distribution) or "ce" (on the target's tokens)
-    max_len: int = 768             # training sequences are cut to this many tokens
-    val_fraction: float = 0.05
-    save_every: int = 100
-    seed: int = 0
-    autocast: bool = True          # bfloat16 autocast for the matmuls (AMX on CPU, tensor cores on GPU)
     train_tokens: int = 0          # > 0: train on a seeded subset of about this many answer tokens (shipped text apart)
     source_weights: tuple[tuple[str, int], ...] = ()  # (source, w): that source's answers come w times per epoch
 
