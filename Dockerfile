@@ -59,6 +59,8 @@ COPY core ./core
 COPY server ./server
 COPY kernels ./kernels
 COPY drafters ./drafters
+COPY training ./training
+COPY specserve ./specserve
 RUN python -m pip install . && rm -rf build *.egg-info
 COPY deploy/configs ./deploy/configs
 
@@ -76,7 +78,7 @@ ENV HF_HUB_OFFLINE=1 \
     TRITON_CACHE_DIR=/opt/specserve/cache/triton
 
 # Bake the converted default model into the image (same path, size and mtime at run time = a cache hit).
-RUN python -c "from server.config import load_config; from server.engine.weights import resolve_model; \
+RUN python -c "from server.config import load_config; from server.model_files import resolve_model; \
 c = load_config('deploy/configs/docker.yaml'); print(resolve_model(c.model.source, c.model.cache_dir, progress=False).hf_dir)"
 
 EXPOSE 8000

@@ -242,3 +242,26 @@ def test_compose_grafana_provisioning_paths_line_up():
 def test_yaml_files_parse(path):
     docs = list(yaml.safe_load_all((ROOT / path).read_text()))
     assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def test_every_package_the_project_installs_is_copied_into_the_image():
+    """`pip install .` in the image installs what was COPYed: a package pyproject.toml includes but the Dockerfile
+    leaves out would be missing from the image (the `specserve` entry point imports server, training and specserve)."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.rstrip("*") for p in include}
+    copied = {w.rstrip("/") for i in INSTRS if i.cmd == "COPY" for w in i.words()[:-1]}
+    assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
+
+
+def test_the_model_bake_imports_exist():
+    """The bake step's `from X import Y` lines name modules and names this checkout has (a moved module breaks the
+    image build, which no other test runs)."""
+    import importlib
+
+    bake = next(i.raw for i in INSTRS if i.cmd == "RUN" and "resolve_model" in i.raw)
+    found = re.findall(r"from ([\w.]+) import (\w+)", bake)
+    assert found
+    for module, name in found:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
