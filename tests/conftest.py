@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +14,44 @@ import torch
 # (an explicit TRITON_INTERPRET wins), so on a GPU the kernel tests run compiled, bfloat16 included.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_SESSION_CACHE: str | None = None  # the cache directory this session made (removed at its end), if it made one
+
+
+def pytest_configure(config):
+    """Converted models, dtype/kernel/step-cost measurements and training work go to a directory of this session's
+    own, not to the user's ~/.cache/specserve: set before any test loads a model, and inherited by the servers and
+    CLIs the tests start (they copy os.environ). A cache directory the user set is used as it is, and kept."""
+    global _SESSION_CACHE
+    from server.model_files import CACHE_ENV
+
+    if os.environ.get(CACHE_ENV) or _SESSION_CACHE is not None:
+        return
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="specserve-test-cache-")
+    os.environ[CACHE_ENV] = _SESSION_CACHE
+
+
+def pytest_unconfigure(config):
+    global _SESSION_CACHE
+    from server.model_files import CACHE_ENV
+
+    if _SESSION_CACHE is None:
+        return
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    if os.environ.get(CACHE_ENV) == _SESSION_CACHE:
+        del os.environ[CACHE_ENV]
+    _SESSION_CACHE = None
+
+
+# The conftest fixtures that start a real `specserve serve`: a test that uses one, even through another fixture, is in
+# the `server` tier (pyproject.toml) where its file forgot to say so.
+SERVER_FIXTURES = frozenset({"server", "make_server", "live_server"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("server") is None:
+            item.add_marker(pytest.mark.server)
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +90,12 @@ def hf_model32(target32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(target32.hf_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(request, tokenizer):
+    """The requesting test module's ``PROMPTS`` ([(kind, text)], as ``encode_prompts`` takes them), encoded."""
+    return encode_prompts(tokenizer, request.module.PROMPTS)
 
 
 def encode_prompts(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]:

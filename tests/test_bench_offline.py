@@ -24,6 +24,7 @@ def _prompts(tmp_path):
     return p
 
 
+@pytest.mark.slow
 def test_one_run_sweeps_a_drafters_options(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["bench", "offline", "--dtype", "float32", "--drafter", "ngram:num_tokens=1,ngram:num_tokens=6",
@@ -37,6 +38,7 @@ def test_one_run_sweeps_a_drafters_options(tmp_path, capsys):
     assert "no option 'gamma'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sampled_runs_compare_outputs_only_when_seeded(tmp_path):
     out = tmp_path / "r.json"
     common = ["bench", "offline", "--dtype", "float32", "--drafter", "ngram", "--prompts", str(_prompts(tmp_path)),

@@ -27,6 +27,7 @@ def test_generate_bad_drafter_is_a_clear_error(capsys):
     assert "valid drafters" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_offline_json(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Count from 1 to 10."}]}) + "\n"
@@ -53,6 +54,7 @@ def test_bench_offline_json(tmp_path, capsys):
     assert by["none"]["swi"] == 1.0 and by["none"]["target_forwards"] == sum(len(o) for o in by["none"]["outputs"])
 
 
+@pytest.mark.slow
 def test_bench_offline_reports_drafter_forwards_and_cost(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")

@@ -45,7 +45,7 @@ from training import prompts as hand
 from training.common import stable_int, stable_unit
 from training.data import BatchedGenerator, GenRequest, GenResult
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prompts"
+BENCH_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prompts"
 MARK = "\u2063MAGPIE-USER-TURN\u2063"  # a placeholder user message, cut out of the rendered template
 
 # -- steering: system messages per category, topic hints ------------------------------------------------------

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import json
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,11 +23,30 @@ def fresh_choices(monkeypatch):
     monkeypatch.setattr(ops, "_chosen", {})
 
 
-def _slow(fn, seconds):
-    def kernel(x, w):
-        time.sleep(seconds)
-        return fn(x, w)
-    return kernel
+class VirtualClock:
+    """core.ops' perf_counter in these tests: only the fake kernels move it, each call by the cost it declares, so a
+    kernel's measured time is its calls times its cost, exactly, however loaded the machine is (sleep-timed kernels
+    were not: a busy CPU stretched the sleeps and the real matmuls around them)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def costing(self, fn, seconds: float):
+        """``fn`` as a kernel that takes ``seconds`` on this clock per call."""
+        def kernel(x, w):
+            self.now += seconds
+            return fn(x, w)
+        return kernel
+
+
+@pytest.fixture
+def clock(monkeypatch) -> VirtualClock:
+    c = VirtualClock()
+    monkeypatch.setattr(ops, "time", SimpleNamespace(perf_counter=c.perf_counter))  # core.ops' clock only
+    return c
 
 
 def _row_count_dependent(x, w):  # fast, exact x @ W.T up to 4 rows, then every row's bits change
@@ -40,27 +59,33 @@ def _weights(dtype=torch.bfloat16, n=2):
     return [(torch.randn(64, 48, generator=g) * 0.05).to(dtype) for _ in range(n)]
 
 
-def test_a_kernel_that_is_not_row_invariant_is_never_chosen(monkeypatch):
-    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": _slow(ops._mv_mm, 1e-3), "cheat": _row_count_dependent})
+def test_a_kernel_that_is_not_row_invariant_is_never_chosen(monkeypatch, clock):
+    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": clock.costing(ops._mv_mm, 1e-3),
+                                                "cheat": clock.costing(_row_count_dependent, 1e-4)})
     best, report = ops.measure_linear_kernels(_weights())
-    assert report["cheat"]["ms"] < report["mv+mm"]["ms"] and not report["cheat"]["row_invariant"]
-    assert report["mv+mm"]["row_invariant"] and best == "mv+mm"
+    # two weights a pass, a pass at 1 row plus one at 8 rows: 4 calls
+    assert report["mv+mm"]["ms"] == pytest.approx(4.0) and report["cheat"]["ms"] == pytest.approx(0.4)
+    assert not report["cheat"]["row_invariant"] and report["mv+mm"]["row_invariant"] and best == "mv+mm"
 
 
-def test_a_clearly_faster_row_invariant_kernel_replaces_the_default(monkeypatch):
-    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": _slow(ops._mv_mm, 2e-3), "linear": F.linear})
+def test_a_clearly_faster_row_invariant_kernel_replaces_the_default(monkeypatch, clock):
+    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": clock.costing(ops._mv_mm, 2e-3),
+                                                "linear": clock.costing(F.linear, 1e-3)})
     best, report = ops.measure_linear_kernels(_weights())
+    assert report["linear"]["ms"] < report["mv+mm"]["ms"] / 1.1
     assert report["linear"]["row_invariant"] and best == "linear"
 
 
-def test_the_default_stays_within_the_margin(monkeypatch):
-    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": _slow(ops._mv_mm, 2e-3), "same": _slow(ops._mv_mm, 2e-3)})
+def test_the_default_stays_within_the_margin(monkeypatch, clock):
+    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": clock.costing(ops._mv_mm, 2e-3),
+                                                "same": clock.costing(ops._mv_mm, 1.6e-3)})  # 20% less time
     assert ops.measure_linear_kernels(_weights(), margin=0.5)[0] == "mv+mm"
+    assert ops.measure_linear_kernels(_weights(), margin=0.1)[0] == "same"  # past the margin it does replace it
 
 
-def test_without_a_row_invariant_kernel_the_fastest_is_used(monkeypatch):
-    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": _slow(_row_count_dependent, 2e-3),
-                                                "cheat": _row_count_dependent})
+def test_without_a_row_invariant_kernel_the_fastest_is_used(monkeypatch, clock):
+    monkeypatch.setattr(ops, "LINEAR_KERNELS", {"mv+mm": clock.costing(_row_count_dependent, 2e-3),
+                                                "cheat": clock.costing(_row_count_dependent, 1e-3)})
     assert ops.measure_linear_kernels(_weights())[0] == "cheat"
 
 

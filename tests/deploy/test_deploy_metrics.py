@@ -51,6 +51,7 @@ def test_expressions_name_series():
     assert "specserve_requests_waiting" in used and "hpa via adapter" in used["specserve_requests_waiting"]
 
 
+@pytest.mark.server
 def test_every_series_used_is_exported(scraped_names):
     used = used_series()
     assert used
@@ -110,6 +111,7 @@ def healthcheck_sources() -> list[str]:
     return [docker_src, compose_src]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("which", [0, 1], ids=["Dockerfile", "compose"])
 def test_healthcheck_command_passes_on_a_healthy_server(live_server, which):
     src = healthcheck_sources()[which]

@@ -107,6 +107,7 @@ def prometheus(live_server, tmp_path_factory):
         p.stop()
 
 
+@pytest.mark.server
 def test_prometheus_scrapes_our_series(prometheus):
     def received():
         res = prometheus.query('specserve_requests_received_total{job="specserve"}')["data"]["result"]
@@ -120,6 +121,7 @@ def test_prometheus_scrapes_our_series(prometheus):
     assert hist and float(hist[0]["value"][1]) >= 1
 
 
+@pytest.mark.server
 def test_prometheus_loads_our_alert_rules(prometheus):
     want = {r["alert"] for r in alert_rules()}
 
@@ -135,6 +137,7 @@ def test_prometheus_loads_our_alert_rules(prometheus):
     assert not [a for a in firing if a["state"] == "firing"], firing
 
 
+@pytest.mark.server
 def test_dashboard_and_adapter_queries_run_on_prometheus(prometheus):
     prometheus.wait(lambda: prometheus.query('up{job="specserve"}')["data"]["result"])
     for _, dash in dashboards():

@@ -14,7 +14,7 @@ from drafters.base import create_drafter
 from drafters.glide.model import GlideConfig, GlideModel
 from training.accept_head import auc, calibration, delayed_rows, weighted_bce
 from server.engine import Engine
-from tests.conftest import encode_prompts
+from tests.lossless import assert_lossless, drafts_per_step, plain_tokens
 
 
 # -- the stopping rule and the head ------------------------------------------------------------------------------
@@ -115,37 +115,21 @@ def test_delayed_rows_equal_incremental_drafting():
             assert torch.allclose(rows[p - 1], h[0], atol=1e-5), (d, p)
 
 
-# -- glide-adaptive on the real model ------------------------------------------------------------------------------
-PROMPTS = [("chat", "Write a Python function that checks whether a string is a palindrome."),
-           ("chat", "Explain why the sky is blue."),
-           ("text", "def add(a: int, b: int) -> int:\n    \"\"\"Return the sum of a and b.\"\"\"\n")]
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return encode_prompts(tokenizer, PROMPTS)
-
-
+# -- glide-adaptive on the real model (prompt_ids: tests/drafters/conftest.py) -----------------------------------
 @pytest.mark.parametrize("drafter", ["glide", "falcon"])
 def test_shipped_heads_exist(drafter):
     assert default_checkpoint("SmolLM2-135M-Instruct", drafter).is_file(), "the trained head must ship"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,cap", [("glide-adaptive", {"max_gamma": 8}), ("falcon-adaptive", {"max_forwards": 2})])
 def test_adaptive_drafters_are_lossless_and_their_length_follows_the_threshold(fp32_config, target32, stops,
                                                                                 prompt_ids, name, cap):
-    plain = Engine(fp32_config, create_drafter("none", target32), target32)
+    plain = plain_tokens(Engine(fp32_config, create_drafter("none", target32), target32), prompt_ids, 40, stops)
     lengths = {}
     for h in (0.05, 0.5, 0.95):
         spec = Engine(fp32_config, create_drafter(name, target32, {"threshold": h, **cap}), target32)
-        drafted = steps = 0
-        for ids in prompt_ids:
-            want = plain.generate(ids, max_new_tokens=40, stop_token_ids=stops).token_ids
-            out = spec.generate(ids, max_new_tokens=40, stop_token_ids=stops)
-            assert out.token_ids == want, h
-            drafted += out.stats.draft_tokens
-            steps += out.stats.verify_steps
-        lengths[h] = drafted / steps
+        lengths[h] = drafts_per_step(assert_lossless(spec, prompt_ids, plain, 40, stops, label=(name, h)))
     # a low threshold stops early, a high one drafts on; in between the length varies from step to step
     assert 1.0 <= lengths[0.05] < lengths[0.5] < lengths[0.95] <= 8.0, lengths
     assert lengths[0.05] < 1.5 and lengths[0.95] > 1.5, lengths  # a chain of 1 or more tokens per step

@@ -17,7 +17,7 @@ from drafters.cascade.maxgram import (BigramTableError, MaxGram, default_bigram_
 from drafters.glide.model import default_checkpoint
 from training.bigram import count_bigrams
 from server.engine import Engine
-from tests.conftest import encode_prompts
+from tests.lossless import assert_lossless, plain_tokens, tokens_per_step
 
 V = 2000
 COUNTING = np.arange(1, V + 1) % V  # bigram table: v -> v + 1
@@ -268,28 +268,15 @@ MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return encode_prompts(tokenizer, PROMPTS)
-
-
-@pytest.fixture(scope="module")
 def plain(fp32_config, target32, prompts, stops):
-    engine = Engine(fp32_config, target=target32)
-    return [engine.generate(p, max_new_tokens=MAX_NEW, stop_token_ids=stops).token_ids for p in prompts]
-
-
-def _check_lossless(engine, prompts, plain, stops):
-    outs = [engine.generate(p, max_new_tokens=MAX_NEW, stop_token_ids=stops) for p in prompts]
-    for out, want in zip(outs, plain):
-        assert out.token_ids == want
-    return outs
+    return plain_tokens(Engine(fp32_config, target=target32), prompts, MAX_NEW, stops)
 
 
 def test_maxgram_greedy_equals_plain(fp32_config, target32, prompts, plain, stops):
     engine = Engine(fp32_config, create_drafter("maxgram", target32), target32)
-    outs = _check_lossless(engine, prompts, plain, stops)
+    outs = assert_lossless(engine, prompts, plain, MAX_NEW, stops, label="maxgram")
     # the repeat-after-me and code prompts copy from the prompt: long accepted runs
-    assert sum(o.stats.step_tokens for o in outs[1:]) / sum(o.stats.verify_steps for o in outs[1:]) > 1.5
+    assert tokens_per_step(outs[1:]) > 1.5
 
 
 @pytest.mark.parametrize("options", [{}, {"k": [[6, 9], [3]], "leniency": 3.0}, {"k": [[4, 4], [2]]},
@@ -299,9 +286,9 @@ def test_cascade_greedy_equals_plain(fp32_config, target32, prompts, plain, stop
     assert default_checkpoint(target32.model_id).is_file(), "the trained GLIDE checkpoint must ship"
     drafter = create_drafter("cascade", target32, options)
     engine = Engine(fp32_config, drafter, target32)
-    outs = _check_lossless(engine, prompts, plain, stops)
+    outs = assert_lossless(engine, prompts, plain, MAX_NEW, stops, label=options)
     steps = sum(o.stats.verify_steps for o in outs)
-    assert sum(o.stats.step_tokens for o in outs) / steps > 1.3  # the reviewed drafts really get accepted
+    assert tokens_per_step(outs) > 1.3  # the reviewed drafts really get accepted
     assert drafter.num_forwards >= steps and drafter.forward_seconds > 0  # one review (at least) per step
 
 

@@ -23,8 +23,8 @@ from drafters.falcon.model import (
 )
 from server.config import config_from_dict
 from server.engine import Engine, StepPlan, load_target
-from server.tokenization import stop_token_ids
-from tests.conftest import chi2_pvalue, encode_prompts
+from tests.conftest import chi2_pvalue
+from tests.lossless import accepted_tokens, assert_lossless, tokens_per_step
 
 V = 16                                               # the tiny target's vocabulary (write_tiny_llama)
 TINY_PROMPTS = [[3, 7, 1, 12, 5, 9, 3, 7],           # n = 8 and n = 11 after the first token: both block alignments
@@ -274,6 +274,7 @@ def test_max_rows_truncates_the_same_tree_and_stops_forwards(tiny_dir, tiny, tin
 
 
 # -- sampled requests ---------------------------------------------------------------------------------------------
+@pytest.mark.statistical
 def test_unseeded_sampled_tree_hands_over_q_and_draws_from_it(tiny_dir, tiny, tiny_ckpt):
     sp = SamplingParams(temperature=0.7, top_k=6)
     drafter = FalconDrafter(tiny, tiny_ckpt[2], top_m=(3, 2), forwards=2, width=2, max_rows=32)
@@ -378,12 +379,8 @@ def test_lossless_greedy_on_the_tiny_target_with_deep_accepts(tiny_dir, tiny, ti
     plain = Engine(_tiny_config(tiny_dir), create_drafter("none", tiny), tiny)
     spec = Engine(_tiny_config(tiny_dir), FalconDrafter(tiny, tiny_ckpt[2], top_m=(3, 3), forwards=4, width=2,
                                                         max_rows=48), tiny)
-    deep = 0
-    for prompt in TINY_PROMPTS + [[5, 5, 5, 5, 5, 5]]:
-        want = plain.generate(prompt, max_new_tokens=40).token_ids
-        out = spec.generate(prompt, max_new_tokens=40)
-        assert out.token_ids == want
-        deep += out.stats.step_tokens - out.stats.verify_steps  # tokens beyond one per step: accepted drafts
+    outs = assert_lossless(spec, TINY_PROMPTS + [[5, 5, 5, 5, 5, 5]], plain, 40)
+    deep = sum(o.stats.step_tokens - o.stats.verify_steps for o in outs)  # tokens beyond one per step: accepted drafts
     assert deep >= 10
 
 
@@ -393,27 +390,13 @@ def test_seeded_sampling_is_plain_seeded_decoding_on_the_tiny_target(tiny_dir, t
     plain = Engine(_tiny_config(tiny_dir), create_drafter("none", tiny), tiny)
     spec = Engine(_tiny_config(tiny_dir), FalconDrafter(tiny, tiny_ckpt[2], top_m=(3, 2), forwards=3, width=2,
                                                         max_rows=32), tiny)
-    accepted = 0
-    for sp in (SamplingParams(temperature=0.8, top_k=8, seed=5), SamplingParams(temperature=1.0, top_p=0.9, seed=-2)):
-        for prompt in TINY_PROMPTS:
-            want = plain.generate(prompt, sp, max_new_tokens=40).token_ids
-            out = spec.generate(prompt, sp, max_new_tokens=40)
-            assert out.token_ids == want, sp
-            accepted += out.stats.accepted_tokens
-    assert accepted >= 10
+    outs = [out for sp in (SamplingParams(temperature=0.8, top_k=8, seed=5),
+                           SamplingParams(temperature=1.0, top_p=0.9, seed=-2))
+            for out in assert_lossless(spec, TINY_PROMPTS, plain, 40, sampling=sp, label=sp)]
+    assert accepted_tokens(outs) >= 10
 
 
-# -- the default model --------------------------------------------------------------------------------------------
-PROMPTS = [("chat", "Write a Python function that checks whether a string is a palindrome."),
-           ("chat", "Explain why the sky is blue."),
-           ("text", "def add(a: int, b: int) -> int:\n    \"\"\"Return the sum of a and b.\"\"\"\n")]
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return encode_prompts(tokenizer, PROMPTS)
-
-
+# -- the default model (prompt_ids: tests/drafters/conftest.py) ---------------------------------------------------
 @pytest.fixture(scope="module")
 def random_falcon(target32, tmp_path_factory):
     """An untrained Falcon head for the default target (for contracts, not for acceptance)."""
@@ -421,31 +404,23 @@ def random_falcon(target32, tmp_path_factory):
                                   vocab_subset=8192, scale=None))
 
 
+@pytest.mark.slow
 def test_random_checkpoint_is_lossless_greedy_deep_tree(fp32_config, target32, prompt_ids, stops, random_falcon):
     plain = Engine(fp32_config, create_drafter("none", target32), target32)
     options = {"checkpoint": random_falcon, "top_m": [3, 2], "forwards": 3, "width": 2, "max_rows": 32}
     spec = Engine(fp32_config, create_drafter("falcon", target32, options), target32)
-    for ids in prompt_ids[1:]:
-        want = plain.generate(ids, max_new_tokens=33, stop_token_ids=stops).token_ids
-        out = spec.generate(ids, max_new_tokens=33, stop_token_ids=stops)
-        assert out.token_ids == want
+    for out in assert_lossless(spec, prompt_ids[1:], plain, 33, stops, label=options):
         # full trees were verified (32 rows, root included) while 32 tokens were still wanted, smaller ones after
         assert out.stats.max_draft == 31 and out.stats.draft_tokens >= 300
 
 
-def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, tokenizer, prompt_ids):
+@pytest.mark.slow
+def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, stops, prompt_ids):
     assert default_checkpoint(target32.model_id).is_file(), "the trained checkpoint must ship in the repository"
-    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
     plain = Engine(fp32_config, create_drafter("none", target32), target32)
     spec = Engine(fp32_config, create_drafter("falcon", target32), target32)
-    steps = emitted = 0
-    for ids in prompt_ids:
-        want = plain.generate(ids, max_new_tokens=48, stop_token_ids=stops).token_ids
-        out = spec.generate(ids, max_new_tokens=48, stop_token_ids=stops)
-        assert out.token_ids == want
-        steps += out.stats.verify_steps
-        emitted += out.stats.step_tokens
-    assert emitted / steps > 1.2  # the trained head really drafts (an untrained one stays near 1.0)
+    outs = assert_lossless(spec, prompt_ids, plain, 48, stops, label="falcon")
+    assert tokens_per_step(outs) > 1.2  # the trained head really drafts (an untrained one stays near 1.0)
 
 
 # -- checkpoints and options --------------------------------------------------------------------------------------

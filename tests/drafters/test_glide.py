@@ -14,8 +14,7 @@ from drafters.glide.drafter import GlideDrafter
 from drafters.glide.model import (GlideCheckpointError, GlideConfig, GlideModel, block_mask, causal_visibility,
                                   default_checkpoint)
 from server.engine import Engine
-from server.tokenization import stop_token_ids
-from tests.conftest import encode_prompts
+from tests.lossless import assert_lossless, tokens_per_step
 
 
 @pytest.fixture(scope="module")
@@ -160,31 +159,15 @@ def test_cape_tree_shape():
     assert torch.equal(tq[1:5], q) and not tq[0].any() and not tq[5:].any()
 
 
-# -- losslessness with the shipped checkpoint -------------------------------------------------------------------
-PROMPTS = [("chat", "Write a Python function that checks whether a string is a palindrome."),
-           ("chat", "Explain why the sky is blue."),
-           ("text", "def add(a: int, b: int) -> int:\n    \"\"\"Return the sum of a and b.\"\"\"\n")]
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return encode_prompts(tokenizer, PROMPTS)
-
-
+# -- losslessness with the shipped checkpoint (prompt_ids: tests/drafters/conftest.py) --------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["glide", "glide-cape"])
-def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, tokenizer, prompt_ids, name):
+def test_shipped_checkpoint_is_lossless_greedy(fp32_config, target32, stops, prompt_ids, name):
     assert default_checkpoint(target32.model_id).is_file(), "the trained checkpoint must ship in the repository"
-    stops = stop_token_ids(tokenizer, target32.args.eos_token_ids)
     plain = Engine(fp32_config, create_drafter("none", target32), target32)
     spec = Engine(fp32_config, create_drafter(name, target32), target32)
-    steps = emitted = 0
-    for ids in prompt_ids:
-        want = plain.generate(ids, max_new_tokens=48, stop_token_ids=stops).token_ids
-        out = spec.generate(ids, max_new_tokens=48, stop_token_ids=stops)
-        assert out.token_ids == want
-        steps += out.stats.verify_steps
-        emitted += out.stats.step_tokens
-    assert emitted / steps > 1.2  # the trained drafter really drafts (an untrained one stays near 1.0)
+    outs = assert_lossless(spec, prompt_ids, plain, 48, stops, label=name)
+    assert tokens_per_step(outs) > 1.2  # the trained drafter really drafts (an untrained one stays near 1.0)
 
 
 def test_seeded_glide_cape_proposes_its_race_order_as_point_masses(fp32_config, target32, prompt_ids):

@@ -44,6 +44,8 @@ from server.config import config_from_dict
 from server.engine import Engine, StepPlan, load_target
 from tests.conftest import chi2_pvalue
 
+pytestmark = pytest.mark.statistical
+
 V = 16                              # the tiny target's vocabulary (tests/conftest.py: write_tiny_llama)
 PROMPT = [3, 7, 1, 12, 5, 9, 3, 7]  # with repeats, for n-gram / Max-Gram matches
 K = 3                               # tokens per request: the first from prefill, then speculative steps

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 
 import pytest
 
@@ -128,7 +127,7 @@ def test_benchmark_guard_reads_every_benchmark_file(guard):
     assert not guard.overlaps("What is the boiling point of water on a high mountain?")
 
 
-def test_near_duplicates_scale_and_recall():
+def test_near_duplicates_scale_and_recall(monkeypatch):
     rng = random.Random(0)
     vocab = [f"w{i}x" for i in range(3000)]
     texts = [" ".join(rng.choice(vocab) for _ in range(rng.randint(12, 30))) for _ in range(30_000)]
@@ -139,12 +138,22 @@ def test_near_duplicates_scale_and_recall():
         texts.append(" ".join(w))
         if len(shingles(texts[j]) & shingles(texts[-1])) / len(shingles(texts[j]) | shingles(texts[-1])) >= 0.6:
             truth.add(len(texts) - 1)
-    t0 = time.perf_counter()
+    # Linear in the texts: LSH hands each new text a handful of candidates to compare exactly (its Jaccard), not
+    # every text before it. Counted, not timed: on average at most one exact comparison per text (quadratic would be
+    # ~n^2 / 2 = 5e8 here; the count stops the run as soon as it passes the budget).
+    exact = NearDuplicates.add.__globals__["jaccard"]  # the function add() compares candidates with
+    budget, calls = len(texts), [0]
+
+    def counted(a, b):
+        calls[0] += 1
+        assert calls[0] <= budget, f"more than {budget} exact comparisons for {len(texts)} texts: not linear"
+        return exact(a, b)
+
+    monkeypatch.setitem(NearDuplicates.add.__globals__, "jaccard", counted)
     nd = NearDuplicates(0.6)
     found = {i for i, t in enumerate(texts) if nd.add(shingles(t))}
-    seconds = time.perf_counter() - t0
     assert found <= truth and len(found) >= 0.97 * len(truth) and len(truth) > 800
-    assert seconds < 30, f"{len(texts)} texts took {seconds:.1f} s"
+    assert len(found) <= calls[0] <= budget  # every near copy found was confirmed by an exact comparison
 
 
 def test_heldout_split_is_a_stable_two_percent():

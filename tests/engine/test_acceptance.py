@@ -76,6 +76,7 @@ def _chi2_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return stats.chisquare(counts[keep].double().numpy(), (probs[keep].double() * n).numpy()).pvalue
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("case", ["q_children", "point_masses", "mixed"])
 def test_first_token_distribution_is_exact(case):
     """One level of siblings: the emitted first token is distributed exactly as p (20k draws, chi-square)."""

@@ -57,6 +57,7 @@ def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny_engine):
     torch.testing.assert_close(kernel, alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @needs_row_invariance
 def test_decode_steps_of_several_sequences_attend_together_bitwise_in_bf16():
     cfg = config_from_dict({"model": {"dtype": "bfloat16", "device": "cpu"},

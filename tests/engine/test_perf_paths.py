@@ -6,13 +6,15 @@
 - bfloat16 on the default model: the rows of a draft chain (and of a few-branch tree) get bit-identical logits to
   plain decode steps, so greedy ngram speculation emits exactly the plain decoding tokens (in float32
   test_speculative_greedy covers this).
-The bit-exactness tests skip where this CPU's bfloat16 kernels are not row-invariant (measured on AMX Xeons).
+The bit-exactness tests skip where none of this CPU's bfloat16 matmul kernels (core.ops.LINEAR_KERNELS) is
+row-invariant (measured on AMX Xeons): then no kernel choice can make speculation bit-exact in bfloat16.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from core import ops
 from core.ops import linear
 from core.tree import DraftTree
 from drafters.base import create_drafter
@@ -25,16 +27,24 @@ from server.tokenization import encode_chat, stop_token_ids
 CPU = torch.device("cpu")
 
 
-def _bf16_rows_invariant() -> bool:
+def _rows_invariant(kernel, x: torch.Tensor, w: torch.Tensor, counts) -> bool:
+    """Whether ``kernel`` gives the first t rows of x the bits it gives each row alone, for each t in ``counts``."""
+    one = torch.cat([kernel(x[i:i + 1], w) for i in range(x.shape[0])])
+    return all(torch.equal(kernel(x[:t], w), one[:t]) for t in counts)
+
+
+def _bf16_row_invariant_kernels() -> list[str]:
+    """The kernels of core.ops.LINEAR_KERNELS that are row-invariant in bfloat16 on this CPU (at the model's qkv
+    shape). The precondition of the bit-exactness tests: a property of the CPU's kernels, not of the kernel choice
+    (``linear``) that the tests check."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
     x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
-    one = torch.cat([linear(x[i:i + 1], w) for i in range(40)])
-    return all(torch.equal(linear(x[:t], w), one[:t]) for t in (2, 6, 32, 40))
+    return [name for name, kernel in ops.LINEAR_KERNELS.items() if _rows_invariant(kernel, x, w, (2, 6, 32, 40))]
 
 
-needs_row_invariance = pytest.mark.skipif(not _bf16_rows_invariant(),
-                                          reason="this CPU's bfloat16 matmuls are not row-invariant")
+needs_row_invariance = pytest.mark.skipif(not _bf16_row_invariant_kernels(),
+                                          reason="none of this CPU's bfloat16 matmul kernels is row-invariant")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -51,14 +61,18 @@ def test_linear_paths_compute_x_wt(dtype, rows):
 
 
 @needs_row_invariance
-def test_bf16_linear_rows_are_row_count_invariant():
+def test_bf16_linear_rows_are_row_count_invariant(monkeypatch):
+    """At each of the model's bfloat16 shapes, ``linear`` with the kernel the engine's measurement picks
+    (measure_linear_kernels, which tune_linear runs at load) gives a row the same bits whatever the row count."""
+    monkeypatch.setattr(ops, "_chosen", dict(ops._chosen))  # the choices made here end with the test
     g = torch.Generator().manual_seed(1)
     for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
         w = (torch.randn(out_f, in_f, generator=g) * 0.05).to(torch.bfloat16)
         x = torch.randn(64, in_f, generator=g).to(torch.bfloat16)
-        one = torch.cat([linear(x[i:i + 1], w) for i in range(64)])
-        for t in (2, 3, 6, 17, 32, 33, 64):
-            assert torch.equal(linear(x[:t], w), one[:t]), (out_f, in_f, t)
+        best, report = ops.measure_linear_kernels([w])
+        assert report[best]["row_invariant"], (out_f, in_f, report)
+        ops.use_linear_kernel(ops.linear_key(w), best)
+        assert _rows_invariant(linear, x, w, (2, 3, 6, 17, 32, 33, 64)), (out_f, in_f, best)
 
 
 CASES = [  # (cache_len, parents or None for causal rows, max_len)

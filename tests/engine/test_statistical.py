@@ -17,6 +17,8 @@ from server.engine import Engine
 from tests.conftest import chi2_pvalue
 from tests.engine.tree_drafters import RandomQTreeDrafter
 
+pytestmark = pytest.mark.statistical
+
 V = 16
 PROMPT = [3, 7, 1, 12, 5, 9]
 

@@ -24,14 +24,15 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, tmp: Path, drafter: str = "ngram", num_slots: int = 4, max_waiting: int = 4,
-                 max_seq_len: int = 512, api_key: str | None = API_KEY, drain_timeout: float = 30.0):
+                 max_seq_len: int = 512, api_key: str | None = API_KEY, drain_timeout: float = 30.0,
+                 server_options: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cfg = {"model": {"source": "embedded", "dtype": "bfloat16", "device": "cpu"},
                "cache": {"num_slots": num_slots, "max_seq_len": max_seq_len},
                "drafter": {"name": drafter, "ngram": {"num_tokens": 4}},
-               "server": {"max_waiting": max_waiting}}
+               "server": {"max_waiting": max_waiting, **(server_options or {})}}
         self.config = tmp / f"server-{self.port}.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = open(tmp / f"server-{self.port}.log", "w+")
@@ -44,18 +45,26 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parents[2])
 
-    def wait_ready(self, timeout: float = 180.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        """Wait for /health. The first server of a test session measures kernels and step costs into the session's
+        fresh cache (tests/conftest.py) before it answers, minutes on a loaded 2-core machine. A server that exits
+        or never gets ready is stopped before the error is raised, so no fixture leaves it running."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                self._fail(f"server exited with {self.proc.returncode}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+        self._fail(f"server not ready in {timeout}s")
+
+    def _fail(self, why: str) -> None:
+        out = self.output()
+        self.stop()
+        raise RuntimeError(f"{why}:\n{out}")
 
     @property
     def headers(self) -> dict:

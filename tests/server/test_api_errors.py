@@ -8,6 +8,8 @@ import pytest
 
 from tests.server.conftest import wait_balanced
 
+pytestmark = pytest.mark.server
+
 MSG = [{"role": "user", "content": "hi"}]
 
 

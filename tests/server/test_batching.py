@@ -65,6 +65,7 @@ def submit(sched, rid, ids, max_tokens, stops, **kw) -> None:
     sched.handle(m.Generate(rid, ids, max_tokens, stop_token_ids=list(stops), **kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", drafter_names())
 def test_batched_greedy_equals_alone(name, cfg, target32, tokenizer):
     engine = Engine(cfg, create_drafter(name, target32, cfg.drafter.options_for(name)), target32)

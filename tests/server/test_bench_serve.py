@@ -66,6 +66,7 @@ def test_concurrency_levels_and_default_request_count(capsys):
     assert "--concurrency" in capsys.readouterr().err
 
 
+@pytest.mark.server
 def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out)) == 0
@@ -100,6 +101,7 @@ def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     assert "concurrency 1: 8 requests" in log and "concurrency 2: 8 requests" in log
 
 
+@pytest.mark.server
 def test_plot_writes_a_png(bench_server, prompts, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "sweep.png"

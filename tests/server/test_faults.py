@@ -9,8 +9,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.server.conftest import metric, scrape, wait_balanced
+
+pytestmark = pytest.mark.server
 
 # No max_tokens and ignore_eos: the request runs to the context end (~480 tokens, many seconds on a CPU); it cannot
 # end by itself within the bounds below.

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.server
+
 # Floats at the edges: zeros of both signs, subnormals, float32 / float64 extremes, values next to the documented
 # bounds (temperature [0, 2], top_p (0, 1], the engine's greedy cut-off 1e-5), huge ones and infinities (which JSON
 # cannot carry: the body is then invalid).

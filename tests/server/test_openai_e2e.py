@@ -9,6 +9,8 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.server.conftest import metric, scrape, wait_balanced
 
+pytestmark = pytest.mark.server
+
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 

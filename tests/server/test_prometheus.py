@@ -12,6 +12,8 @@ import yaml
 
 from tests.server.conftest import free_port
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture
 def prometheus_bin():
