@@ -130,7 +130,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         require_matplotlib()  # before the sweep, not after minutes of it
     api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
     try:
-        rep = run_serve_bench(a.url, api_key, a.prompts, levels, a.num_requests, a.max_tokens, a.warmup, log=log_stderr)
+        rep = run_serve_bench(a.url, api_key, a.prompts, levels, a.num_requests, a.max_tokens, a.warmup,
+                              log=log_stderr)
     except ConnectionError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2

@@ -53,16 +53,17 @@ def cmd_train_accept_head(a: argparse.Namespace) -> int:
     opts = AcceptTrainOptions(max_depth=a.max_depth, temperatures=temps, keep=a.keep, num_blocks=a.num_blocks,
                               hidden_only=a.hidden_only, reject_weight=a.reject_weight, steps=a.steps, batch=a.batch,
                               lr=a.lr, max_len=a.max_len, seed=a.seed)
-    run_train_accept_head(config_from_args(a), a.drafter, out=a.out, data_path=a.data, checkpoint=a.checkpoint, opts=opts,
-                          max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit, log=log_stderr)
+    run_train_accept_head(config_from_args(a), a.drafter, out=a.out, data_path=a.data, checkpoint=a.checkpoint,
+                          opts=opts, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit,
+                          log=log_stderr)
     return 0
 
 
 def cmd_train_eval_glide(a: argparse.Namespace) -> int:
-    from training.glide import measure_acceptance
     from server.engine import load_target
     from server.model_files import load_tokenizer
     from server.tokenization import encode_record, read_prompts, stop_token_ids
+    from training.glide import measure_acceptance
 
     cfg = config_from_args(a)
     target = load_target(cfg)
@@ -105,9 +106,9 @@ def _floats(arg: str, flag: str) -> tuple[float, ...]:
 def cmd_train_prompts(a: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from server.engine import load_target
     from training.common import synth_dir
     from training.synth import SynthSettings, synthesize_prompts
-    from server.engine import load_target
 
     settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
                              max_answer_tokens=a.max_answer_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -130,9 +131,9 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
 def cmd_train_data(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from training.data import AnswerSettings, answer_records, prompt_records
-    from training.common import synth_dir, work_dir
     from server.engine import load_target
+    from training.common import answers_path, synth_dir
+    from training.data import AnswerSettings, answer_records, prompt_records
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
                               sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
@@ -140,7 +141,7 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     target = load_target(cfg)
     records = prompt_records(a.prompts, synth_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
     records = records[:a.limit] if a.limit else records
-    path = Path(a.data) if a.data else work_dir(cfg, target.model_id) / "responses.pt"
+    path = Path(a.data) if a.data else answers_path(cfg, target.model_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = answer_records(cfg, target, records, path, settings, batch=a.gen_batch, step_tokens=a.step_tokens,
                           log=log_stderr, command=_replay_command(a))

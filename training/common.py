@@ -34,6 +34,11 @@ def work_dir(cfg, model_id: str) -> Path:
     return Path(cfg.model.cache_dir or default_cache_dir()) / "train" / model_id
 
 
+def answers_path(cfg, model_id: str) -> Path:
+    """Where ``train data`` writes the target's answers, and where every trainer reads them by default."""
+    return work_dir(cfg, model_id) / "responses.pt"
+
+
 def synth_dir(cfg, model_id: str) -> Path:
     """Where ``train prompts`` writes the synthesized prompts of a target."""
     return work_dir(cfg, model_id) / "synth"

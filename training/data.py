@@ -35,14 +35,10 @@ import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
-from training.common import stable_int, stable_unit, synth_dir, work_dir
+from training.common import answers_path, stable_int, stable_unit, synth_dir
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
-
-
-def default_data_path(cache_dir: Path, model_id: str) -> Path:
-    return Path(cache_dir) / "train" / model_id / "responses.pt"
 
 
 def load_responses(path: Path) -> dict:
@@ -495,7 +491,7 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
     """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
     the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
     batched engine (resumable; training/data.py)."""
-    path = Path(data_path) if data_path else work_dir(cfg, target.model_id) / "responses.pt"
+    path = Path(data_path) if data_path else answers_path(cfg, target.model_id)
     data = load_responses(path) if path.exists() else None
     if data is None or not data.get("complete", False):
         records = prompt_records(None, synth_dir(cfg, target.model_id) / "train.jsonl", log)
