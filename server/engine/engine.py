@@ -25,7 +25,8 @@ from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
-                                   make_decode_group_attention)
+                                   make_decode_group_attention, make_exact_cpu_attention,
+                                   make_exact_cpu_group_attention)
 from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
 from server.engine.model import RowGroup, Segment
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
@@ -46,6 +47,8 @@ class Engine:
                                 a.head_dim, a.hidden_size, self.dtype, self.device)
         self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
         self.max_seq_len = cfg.cache.max_seq_len
+        # the quantized CPU target in float32: every row through the row-invariant C++ attention
+        self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
         self._ids = itertools.count()
 
     # -- admission ---------------------------------------------------------------------------------------------
@@ -107,7 +110,8 @@ class Engine:
                 if batch_decodes and n == 1:
                     decodes.append((start, seq))
                 else:
-                    attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+                    attn = make_exact_cpu_attention(seq.cache_len, n, tree_mask) if self.exact_cpu else \
+                        make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
                     segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
                                             seq.cache_len, tree_mask, attn))
                 start += n
@@ -117,6 +121,7 @@ class Engine:
                 group = RowGroup(torch.tensor([r for r, _ in decodes], device=self.device),
                                  torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
                                  self.pool.k, self.pool.v,
+                                 make_exact_cpu_group_attention(slots, lens) if self.exact_cpu else
                                  make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
         tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])

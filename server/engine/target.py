@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from typing import NamedTuple
 
 import torch
@@ -15,10 +16,12 @@ from core.ops import DTYPES, LlamaArgs, rms_norm
 from server.config import EngineConfig
 from server.engine.backend import make_attention
 from server.engine.model import Llama, Segment
-from server.engine.quant import quantize_model
+from server.engine.quant import kernel_path, quantize_model
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_state_dict
 from server.model_files import load_hf_config, resolve_model
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,6 +45,14 @@ class Target:
         self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
         self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
         self.args: LlamaArgs = model.args
+
+    @property
+    def kernels(self) -> str:
+        """"qlinear" where the linear layers run the CPU block-quantized kernel (its attention kernel then serves
+        the float32 rows too: ``server.engine.backend.make_exact_cpu_attention``), else "aten"."""
+        from kernels.cpu import BlockQuantWeight
+
+        return "qlinear" if isinstance(self.model.layers[0].wqkv.weight, BlockQuantWeight) else "aten"
 
     @property
     def max_positions(self) -> int:
@@ -98,6 +109,9 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
     model.eval().requires_grad_(False)
     name = cfg.model.dtype
+    if name == "auto" and kernel_path(cfg.model.quantization, device) == "qlinear":
+        name = "float32"  # the kernel quantizes activations to int8 itself: 16-bit ones would only add casts
+        log.info("model.dtype auto: float32 (quantization %s on the qlinear kernel)", cfg.model.quantization)
     if name == "auto":
         name = choose_dtype(lambda d: _measure_dtype(cfg, model, resolved, device, d), device,
                             cfg.model.quantization, resolved.hf_dir)
@@ -107,7 +121,9 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
 def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
-    quantize_model(model, quantization, dtype, gguf=resolved.gguf)
+    kernels = quantize_model(model, quantization, dtype, gguf=resolved.gguf)
+    if quantization != "none":
+        log.info("quantization %s on %s (%s kernels)", quantization, device, kernels)
     tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
 

@@ -1,5 +1,5 @@
-"""The target's weights as the engine loads them: a converted HF directory's safetensors, and a GGUF file's Q4_1
-blocks as stored (``gguf_linear_blocks``), so an int4 target can serve the file's own quantization.
+"""The target's weights as the engine loads them: a converted HF directory's safetensors, and a GGUF file's Q4_1 and
+Q8_0 blocks as stored (``gguf_linear_blocks``), so a quantized target can serve the file's own quantization.
 
 Locating and converting a model source is ``server.model_files``.
 """
@@ -14,13 +14,15 @@ from safetensors.torch import load_file
 
 from server.model_files import WeightsError
 
-class Q4Blocks(NamedTuple):
-    """A GGUF Q4_1 matrix as stored, one block per 32 input columns of a row: W[n, k] = d[n, b] * q[n, k] + m[n, b]
-    with b = k // 32."""
+class QBlocks(NamedTuple):
+    """A GGUF block-quantized matrix as stored, one block per 32 input columns of a row, as unsigned codes:
+    W[n, k] = d[n, b] * q[n, k] + m[n, b] with b = k // 32. Q4_1: q in 0..15 as stored (``bits`` 4). Q8_0 (signed
+    codes w, W = d * w): q = w + 128 and m = -128 d (``bits`` 8)."""
 
-    q: torch.Tensor  # [N, K] uint8 in [0, 15]
+    q: torch.Tensor  # [N, K] uint8
     d: torch.Tensor  # [N, K / 32] float32 (exact: the file stores float16)
     m: torch.Tensor  # [N, K / 32] float32
+    bits: int
 
 
 Q4_1_BLOCK = 32
@@ -28,15 +30,17 @@ Q4_1_BLOCK = 32
 _GGUF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
+Q8_0_BLOCK_BYTES = 2 + Q4_1_BLOCK
 
 
-def gguf_linear_blocks(gguf: Path) -> dict[str, Q4Blocks]:
-    """The Q4_1 linear weights of a Llama GGUF file, as stored, under transformers' Llama names.
+def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
+    """The Q4_1 and Q8_0 matrices of a Llama GGUF file (linear layers, the output head and the token embedding, which a
+    tied head multiplies by), as stored, under transformers' Llama names.
 
     Rows come in the order of the converted HF directory: llama.cpp's converter interleaves the rows of q_proj and
     k_proj for its RoPE layout, and transformers' loader undoes that, so the same row permutation is applied here
-    (blocks run along a row, so a row permutation keeps them whole). Tensors stored in any other type (the Q8_0
-    embedding, float norms) are left out, and so is every tensor of an architecture other than ``llama``.
+    (blocks run along a row, so a row permutation keeps them whole). Tensors stored in any other type (float norms)
+    are left out, and so is every tensor of an architecture other than ``llama``.
     """
     from gguf import GGMLQuantizationType, GGUFReader
 
@@ -45,23 +49,27 @@ def gguf_linear_blocks(gguf: Path) -> dict[str, Q4Blocks]:
     if arch != "llama":
         return {}
     n_head, n_kv_head = (_gguf_field(reader, f"llama.attention.{k}") for k in ("head_count", "head_count_kv"))
-    out: dict[str, Q4Blocks] = {}
+    out: dict[str, QBlocks] = {}
+    kinds = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
     for t in reader.tensors:
-        if t.tensor_type != GGMLQuantizationType.Q4_1 or len(t.shape) != 2:
+        if t.tensor_type not in kinds or len(t.shape) != 2:
             continue
-        parts = t.name.split(".")  # blk.<i>.<kind>.weight, or output.weight
+        parts = t.name.split(".")  # blk.<i>.<kind>.weight, output.weight or token_embd.weight
         if t.name == "output.weight":
             name = "lm_head.weight"
+        elif t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
         elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEAR:
             name = f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"
         else:
             continue
-        q, d, m = _q4_1_blocks(np.asarray(t.data), int(t.shape[0]))
+        bits = kinds[t.tensor_type]
+        q, d, m = (_q4_1_blocks if bits == 4 else _q8_0_blocks)(np.asarray(t.data), int(t.shape[0]))
         # transformers permutes only when both head counts are known (LlamaTensorProcessor); so do we
         if parts[-2] in ("attn_q", "attn_k") and n_head is not None and n_kv_head is not None:
             heads = n_head if parts[-2] == "attn_q" else n_kv_head
             q, d, m = (_unpermute_rope_rows(x, heads) for x in (q, d, m))
-        out[name] = Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+        out[name] = QBlocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), bits)
     return out
 
 
@@ -80,6 +88,16 @@ def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     np.bitwise_and(nibbles, 0x0F, out=q[..., :Q4_1_BLOCK // 2])
     np.right_shift(nibbles, 4, out=q[..., Q4_1_BLOCK // 2:])
     return q.reshape(N, K), d, m
+
+
+def _q8_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw [N, K / 32 * 34] uint8 (per block: float16 d, 32 signed int8 codes) -> q = codes + 128 [N, K] uint8,
+    d [N, K / 32] float32 and m = -128 d."""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // Q4_1_BLOCK, Q8_0_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return q.reshape(N, K), d, -128.0 * d
 
 
 def _unpermute_rope_rows(x: np.ndarray, n_head: int) -> np.ndarray:

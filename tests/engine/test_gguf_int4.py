@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from server.config import config_from_dict
 from server.engine import Engine, Target, load_target
 from server.engine.quant import INT4_GROUP, PackedLinear, int4_from_blocks, quantize_model
-from server.engine.weights import Q4Blocks, gguf_linear_blocks, load_state_dict
+from server.engine.weights import QBlocks, gguf_linear_blocks, load_state_dict
 from server.model_files import resolve_model
 from tests.conftest import write_tiny_llama
 from tests.engine.test_model import _logits
@@ -28,20 +28,26 @@ FUSED = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "
          "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"), "w_down": ("mlp.down_proj",)}  # Llama.load_hf_state_dict
 
 
-def dequantize_blocks(b: Q4Blocks) -> torch.Tensor:
-    """W = d * q + m in float32, per block of 32 columns (the order of operations of gguf's own de-quantizer)."""
+def dequantize_blocks(b: QBlocks) -> torch.Tensor:
+    """W = d * q + m in float32, per block of 32 columns (the order of operations of gguf's own de-quantizer); for
+    Q8_0's codes q = w + 128 that is d * w."""
     N, K = b.q.shape
-    return (b.q.float().view(N, K // 32, 32) * b.d[..., None] + b.m[..., None]).view(N, K)
+    q = b.q.float().view(N, K // 32, 32)
+    if b.bits == 8:
+        return ((q - 128) * b.d[..., None]).view(N, K)
+    return (q * b.d[..., None] + b.m[..., None]).view(N, K)
 
 
 def fused(dense: dict[str, torch.Tensor], layer: int, name: str) -> torch.Tensor:
     return torch.cat([dense[f"model.layers.{layer}.{n}.weight"] for n in FUSED[name]])
 
 
-def quantized_copy(model, gguf) -> torch.nn.Module:
-    """A float32 int4 copy of a dense float32 target model, as the engine builds it."""
+def quantized_copy(model, gguf, kernels: str | None = "aten") -> torch.nn.Module:
+    """A float32 int4 copy of a dense float32 target model, as the engine builds it (on PyTorch's packed kernels
+    unless ``kernels`` says otherwise: their float32 activations make the file's model comparable to float32
+    summation order; the qlinear kernel's int8 activations are tested in tests/kernels/test_qlinear.py)."""
     model = copy.deepcopy(model)
-    quantize_model(model, "int4", torch.float32, gguf=gguf)
+    quantize_model(model, "int4", torch.float32, gguf=gguf, kernels=kernels)
     return model
 
 
@@ -53,7 +59,7 @@ def resolved():
 
 
 @pytest.fixture(scope="module")
-def blocks(resolved) -> dict[str, Q4Blocks]:
+def blocks(resolved) -> dict[str, QBlocks]:
     return gguf_linear_blocks(resolved.gguf)
 
 
@@ -69,13 +75,15 @@ def int4_target(target32, resolved) -> Target:
     return Target(m, target32.model_id, target32.device, torch.float32, target32.hf_dir)
 
 
-def test_the_reader_returns_every_q4_1_linear_weight_and_nothing_else(resolved, blocks, dense):
+def test_the_reader_returns_every_quantized_matrix_and_nothing_else(resolved, blocks, dense):
     layers = 1 + max(int(k.split(".")[2]) for k in dense if k.startswith("model.layers."))
-    # the embedding (Q8_0) and the norms (F32) are not Q4_1; the head is tied to the embedding
-    assert set(blocks) == {f"model.layers.{i}.{n}.weight" for i in range(layers) for n in LINEARS}
+    # the linear layers are Q4_1, the embedding (which the tied head multiplies by) Q8_0; the norms (F32) are left out
+    linear = {f"model.layers.{i}.{n}.weight" for i in range(layers) for n in LINEARS}
+    assert set(blocks) == linear | {"model.embed_tokens.weight"}
     for name, b in blocks.items():
         N, K = dense[name].shape
-        assert b.q.shape == (N, K) and b.q.dtype == torch.uint8 and int(b.q.max()) <= 15
+        assert b.q.shape == (N, K) and b.q.dtype == torch.uint8 and b.bits == (4 if name in linear else 8)
+        assert int(b.q.max()) <= (15 if b.bits == 4 else 255)
         assert b.d.shape == b.m.shape == (N, K // 32) and b.d.dtype == b.m.dtype == torch.float32
     assert resolve_model(str(resolved.gguf), progress=False).gguf == resolved.gguf  # a .gguf path as the source too
 
@@ -87,6 +95,8 @@ def test_the_files_blocks_are_the_converted_weights_bit_for_bit(blocks, dense, l
         name = f"model.layers.{layer}.{n}.weight"
         w = dequantize_blocks(blocks[name])
         assert torch.equal(w, dense[name]), f"{name}: max |diff| {(w - dense[name]).abs().max().item():.3g}"
+    # the Q8_0 embedding: d * (q - 128) as codes q = w + 128, m = -128 d
+    assert torch.equal(dequantize_blocks(blocks["model.embed_tokens.weight"]), dense["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("layer", [0, 29])
@@ -143,7 +153,7 @@ def _rope_interleave(x: torch.Tensor, n_head: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
     """A small untied Llama whose linear weights are exactly Q4_1 blocks with codes 1..14 (d * q + m), as an HF
-    directory and as a GGUF file holding those blocks. -> (HF dir, GGUF path, {name: Q4Blocks})."""
+    directory and as a GGUF file holding those blocks. -> (HF dir, GGUF path, {name: QBlocks})."""
     import gguf
 
     root = tmp_path_factory.mktemp("tiny-q4")
@@ -160,7 +170,7 @@ def tiny_q4(tmp_path_factory):
         q = torch.randint(1, 15, (N, K), generator=gen, dtype=torch.uint8)
         d = (0.02 + 0.03 * torch.rand(N, K // 32, generator=gen)).half().float()
         m = (-7.5 * d + 0.01 * torch.randn(N, K // 32, generator=gen)).half().float()
-        own[name] = Q4Blocks(q, d, m)
+        own[name] = QBlocks(q, d, m, 4)
         state[name] = dequantize_blocks(own[name])
     save_file(state, str(hf / "model.safetensors"))
 
@@ -178,11 +188,11 @@ def tiny_q4(tmp_path_factory):
         gname = ("output.weight" if name == "lm_head.weight"
                  else f"blk.{parts[2]}.{to_gguf[parts[3] + '.' + parts[4]]}.weight")
         n_head = {"q_proj": heads, "k_proj": kv_heads}.get(parts[-2])
-        q, d, m = (b if n_head is None else (_rope_interleave(x, n_head) for x in b))
+        q, d, m = (b[:3] if n_head is None else (_rope_interleave(x, n_head) for x in b[:3]))
         raw = _q4_1_bytes(q, d, m)
         # the encoder above is checked against gguf's own de-quantizer, not against the reader under test
         assert np.array_equal(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1),
-                              dequantize_blocks(Q4Blocks(q, d, m)).numpy())
+                              dequantize_blocks(QBlocks(q, d, m, 4)).numpy())
         writer.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
     writer.add_tensor("blk.0.attn_norm.weight", state["model.layers.0.input_layernorm.weight"].numpy())
     writer.write_header_to_file()
@@ -197,7 +207,7 @@ def test_the_reader_returns_a_files_blocks_as_written(tiny_q4):
     got = gguf_linear_blocks(path)
     assert set(got) == set(own)  # the untied head included; the float32 embedding and norm left out
     for name, b in own.items():
-        assert all(torch.equal(x, y) for x, y in zip(got[name], b)), name
+        assert all(torch.equal(x, y) for x, y in zip(got[name][:3], b[:3])) and got[name].bits == 4, name
 
 
 def test_int4_from_blocks_that_requantizing_would_change_is_exactly_the_files_model(tiny_q4):

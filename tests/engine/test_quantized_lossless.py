@@ -1,0 +1,70 @@
+"""The served GGUF model quantized as the file stores it (int4: Q4_1 layers, Q8_0 head) is the target: every
+registered drafter returns plain decoding's tokens on it, greedy and seeded sampling, on whichever kernel path this
+machine runs (the qlinear kernel with AVX-512 VNNI, PyTorch's packed kernels elsewhere)."""
+from __future__ import annotations
+
+import pytest
+
+from core.sampling import SamplingParams
+from drafters.base import create_drafter, drafter_names
+from server.config import config_from_dict
+from server.engine import Engine, load_target
+from server.engine.quant import kernel_path
+from tests.conftest import encode_prompts
+from tests.lossless import DRAFTER_PROMPTS, assert_lossless, plain_tokens, tokens_per_step
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 24
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+DRAFTERS = {"none": {}, "ngram": {"num_tokens": 4}, "maxgram": {}, "glide": {}, "glide-cape": {},
+            "glide-adaptive": {}, "cascade": {}, "falcon": {}, "falcon-adaptive": {}}
+
+
+@pytest.fixture(scope="module")
+def int4_config():
+    return config_from_dict({"model": {"source": "embedded", "dtype": "float32", "device": "cpu",
+                                       "quantization": "int4"},
+                             "cache": {"num_slots": 2, "max_seq_len": 512}})
+
+
+@pytest.fixture(scope="module")
+def int4_target(int4_config):
+    return load_target(int4_config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return encode_prompts(tokenizer, DRAFTER_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def plain(int4_config, int4_target, prompt_ids, stops):
+    engine = Engine(int4_config, target=int4_target)
+    return {sp: plain_tokens(engine, prompt_ids, MAX_NEW, stops, sp) for sp in (None, SAMPLED)}
+
+
+def test_every_registered_drafter_is_covered_here():
+    assert set(DRAFTERS) == set(drafter_names())
+
+
+def test_the_target_runs_the_kernel_path_this_machine_has(int4_target):
+    from kernels import cpu
+
+    w = int4_target.model.layers[0].wqkv.weight
+    want = "qlinear" if cpu.load() is not None else "aten"
+    assert kernel_path("int4", int4_target.device) == want
+    assert type(w).__name__ == ("BlockQuantWeight" if want == "qlinear" else "Int4Weight")
+    if want == "qlinear":  # the head multiplies by the file's Q8_0 embedding, as llama.cpp's does
+        assert int4_target.model.lm_head.weight.bits == 8 and w.bits == 4
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_greedy_and_seeded_speculation_equal_plain_on_the_quantized_target(int4_config, int4_target, prompt_ids,
+                                                                           stops, plain, name):
+    drafter = create_drafter(name, int4_target, DRAFTERS[name])
+    spec = Engine(int4_config, drafter, int4_target)
+    outs = assert_lossless(spec, prompt_ids, plain[None], MAX_NEW, stops, label=name)
+    if name != "none":
+        assert tokens_per_step(outs) > 1.0, name  # drafts were accepted, so verified rows stood for decode steps
+    assert_lossless(spec, prompt_ids, plain[SAMPLED], MAX_NEW, stops, SAMPLED, label=f"{name} sampled")

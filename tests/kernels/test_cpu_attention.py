@@ -1,0 +1,99 @@
+"""The quantized CPU target's float32 attention (kernels/cpu/attention.cpp): values against softmax attention, and a
+row's bits set by its own query and keys alone, so that prompt rows, draft-tree rows and batched decode steps equal
+the decode step at their position."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.tree_attention import ancestor_bitmask
+
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason=f"CPU kernels unavailable here: {cpu.unavailable_reason()}")
+L = torch.long
+NS, HKV, S, D, H = 3, 3, 160, 64, 9
+
+
+@pytest.fixture
+def pool():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(NS, HKV, S, D, generator=g), torch.randn(NS, HKV, S, D, generator=g)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """One query row q [H, D] over the listed cache rows of one slot's k, v [H_kv, S, D], in float64."""
+    kk = k[:, rows].double().repeat_interleave(H // HKV, 0)  # [H, n, D]
+    vv = v[:, rows].double().repeat_interleave(H // HKV, 0)
+    p = ((q.double()[:, None, :] * kk).sum(-1) / math.sqrt(D)).softmax(-1)
+    return (p[..., None] * vv).sum(1)
+
+
+def decode(q, k, v, slot: int, position: int) -> torch.Tensor:
+    """The decode step at ``position``: keys 0..position of the slot, in place."""
+    one = torch.tensor([slot])
+    return cpu.attend(q[None], k, v, one, torch.tensor([position + 1]), torch.zeros(1, dtype=L),
+                      torch.zeros(1, dtype=L))[0]
+
+
+def test_values_are_softmax_attention_over_the_listed_rows(pool):
+    k, v = pool
+    q = torch.randn(4, H, D)
+    bits = torch.tensor([0b1, 0b101, 0b1001, 0])
+    out = cpu.attend(q, k, v, torch.tensor([0, 1, 2, 1]), torch.tensor([20, 20, 33, 7]), torch.tensor([50, 50, 60, 0]),
+                     bits)
+    want = [reference(q[0], k[0], v[0], list(range(20)) + [50]),
+            reference(q[1], k[1], v[1], list(range(20)) + [50, 52]),
+            reference(q[2], k[2], v[2], list(range(33)) + [60, 63]),
+            reference(q[3], k[1], v[1], list(range(7)))]
+    for t in range(4):
+        assert (out[t].double() - want[t]).abs().max() < 1e-5, t
+
+
+def test_tree_rows_equal_the_decode_steps_at_their_positions(pool):
+    """A draft tree's rows (written after the cached prefix) read the prefix then their ancestors: once the path is
+    accepted and compacted into place, the decode step at each position reads the same keys, and gets the same bits."""
+    k, v = pool
+    c = 90
+    parents = [-1, 0, 1, 0, 3, 2, 1]  # branches at the root and at depth 1
+    T = len(parents)
+    q = torch.randn(T, H, D)
+    out = cpu.attend(q, k, v, torch.full((T,), 1), torch.full((T,), c), torch.full((T,), c),
+                     ancestor_bitmask(parents))
+    for leaf in (5, 4, 6):
+        path = [leaf]
+        while parents[path[-1]] != -1:
+            path.append(parents[path[-1]])
+        path.reverse()  # root .. leaf
+        kc, vc = k.clone(), v.clone()
+        kc[1, :, c:c + len(path)] = k[1, :, [c + r for r in path]]  # compaction: the accepted rows into place
+        vc[1, :, c:c + len(path)] = v[1, :, [c + r for r in path]]
+        for depth, row in enumerate(path):
+            assert torch.equal(out[row], decode(q[row], kc, vc, 1, c + depth)), (leaf, row)
+
+
+def test_causal_prompt_rows_and_batched_decodes_equal_lone_decode_steps(pool):
+    k, v = pool
+    T, c = 40, 17
+    q = torch.randn(T, H, D)
+    prompt = cpu.attend(q, k, v, torch.zeros(T, dtype=L), torch.arange(c + 1, c + T + 1), torch.zeros(T, dtype=L),
+                        torch.zeros(T, dtype=L))
+    for t in (0, 1, 15, 16, 17, 39):  # around the 16-key chunks of the softmax
+        assert torch.equal(prompt[t], decode(q[t], k, v, 0, c + t)), t
+    slots, positions = torch.tensor([2, 0, 1]), torch.tensor([5, 150, 64])
+    batch = cpu.attend(q[:3], k, v, slots, positions + 1, torch.zeros(3, dtype=L), torch.zeros(3, dtype=L))
+    for b in range(3):
+        assert torch.equal(batch[b], decode(q[b], k, v, int(slots[b]), int(positions[b]))), b
+
+
+def test_rows_reading_outside_the_pool_are_refused(pool):
+    k, v = pool
+    q = torch.randn(1, H, D)
+    one, zero = torch.ones(1, dtype=L), torch.zeros(1, dtype=L)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.attend(q, k, v, torch.tensor([NS]), one, zero, zero)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.attend(q, k, v, zero, torch.tensor([S + 1]), zero, zero)
+    with pytest.raises(RuntimeError, match="bits past the slot"):
+        cpu.attend(q, k, v, zero, one, torch.tensor([S - 1]), torch.tensor([0b10]))
