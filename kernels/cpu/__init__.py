@@ -23,7 +23,8 @@ import torch
 QK = 32  # input columns per block
 NC = 16  # output columns per group (the kernel's lanes)
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-_SOURCES = [str(Path(__file__).with_name(n)) for n in ("qlinear.cpp", "attention.cpp")]
+_DIR = Path(__file__).parent
+_SOURCES = [str(_DIR / n) for n in ("qlinear.cpp", "attention.cpp")]
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]
 
 _lock = threading.Lock()
@@ -77,7 +78,11 @@ def _why_not() -> str | None:
 def _build():
     from torch.utils.cpp_extension import load as load_extension
 
-    return load_extension(name="specserve_cpu_kernels", sources=_SOURCES, extra_cflags=_FLAGS,
+    import hashlib
+
+    # the name carries a hash of every source and header, so an edited header rebuilds too
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_DIR.glob("*.[ch]*")))).hexdigest()[:12]
+    return load_extension(name=f"specserve_cpu_{digest}", sources=_SOURCES, extra_cflags=_FLAGS,
                           extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -174,6 +179,13 @@ class BlockQuantWeight:
         out = mod.qlinear(x.contiguous(), self.codes, self.d, self.m, self.shape[0], self.bits)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    def fused(self, x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 rows, in one call: ``residual + (prologue(x) @ W.T)`` where the prologue is RMSNorm with weight
+        ``norm`` (x [T, K]) or SwiGLU, silu(gate) * up of x = [gate | up] [T, 2K], or nothing."""
+        return load().qlinear(x.contiguous(), self.codes, self.d, self.m, self.shape[0], self.bits, norm, eps,
+                              swiglu, residual)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
 
@@ -184,6 +196,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     cache rows 0 .. cached[t] - 1 of slot slot[t], then to rows base[t] + j for each bit j of bits[t] (int64 [T]
     each)."""
     return load().attend(q, k, v, slot, cached, base, bits)
+
+
+def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slot: torch.Tensor, pos: torch.Tensor, cached: torch.Tensor, base: torch.Tensor, bits: torch.Tensor,
+                num_heads: int) -> torch.Tensor:
+    """One layer's attention block after the fused QKV projection, every row in one call: RoPE on q and k (cos and
+    Rope.table's signed sin, [T, D]), row t's k and v written to cache row pos[t] of slot slot[t], then ``attend``.
+    qkv [T, (H + 2 H_kv) D] -> [T, H D]."""
+    return load().rope_attend(qkv, cos, sin, k, v, slot, pos, cached, base, bits, num_heads)
 
 
 def qlinear_reference(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor:

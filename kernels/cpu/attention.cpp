@@ -11,29 +11,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-// e^x for x <= 0 (softmax arguments), float32: Cody-Waite range reduction and a degree-6 polynomial (relative error
-// ~2e-7); the same code for every lane and call, so its result depends on x alone.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline float dot(const float* a, const float* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
@@ -61,37 +45,39 @@ inline void axpy(float* out, float p, const float* v, int64_t D) {
 
 }  // namespace
 
-// q [T, H, D] float32; k, v [slots, H_kv, S, D] float32 (rows of D contiguous); slot, cached, base, bits [T] int64
-torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
-                     const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "attend: q [T, H, D], k and v [slots, H_kv, S, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "attend: float32 only");
+namespace {
+
+void check_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t T, const torch::Tensor& slot,
+                const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "attend: k and v [slots, H_kv, S, D]");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat, "attend: float32 only");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(), "attend: k and v rows");
-  const auto qc = q.contiguous();
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "attend: head sizes");
-  const int64_t g = H / Hkv;
   for (const auto* t : {&slot, &cached, &base, &bits})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->numel() == T && t->is_contiguous(), "attend: row specs");
+  const int64_t S = k.size(2);
   const int64_t* slot_p = slot.data_ptr<int64_t>();
   const int64_t* cached_p = cached.data_ptr<int64_t>();
   const int64_t* base_p = base.data_ptr<int64_t>();
   const int64_t* bits_p = bits.data_ptr<int64_t>();
-  int64_t work = 0;
   for (int64_t t = 0; t < T; ++t) {
     const uint64_t b = static_cast<uint64_t>(bits_p[t]);
     TORCH_CHECK(slot_p[t] >= 0 && slot_p[t] < k.size(0) && cached_p[t] >= 0 && cached_p[t] <= S,
                 "attend: row ", t, " reads outside the pool");
     TORCH_CHECK(b == 0 || (base_p[t] >= 0 && base_p[t] + 64 - __builtin_clzll(b) <= S), "attend: row ", t,
                 " bits past the slot");
-    work += cached_p[t] + __builtin_popcountll(b);
   }
-  auto out = torch::empty({T, H, D}, q.options());
-  const float* qp = qc.data_ptr<float>();
+}
+
+// q [T, H, D] (contiguous float32) -> out [T, H, D]; the rows' specs checked by check_rows
+void attend_rows(const float* qp, int64_t T, int64_t H, int64_t D, const torch::Tensor& k, const torch::Tensor& v,
+                 const int64_t* slot_p, const int64_t* cached_p, const int64_t* base_p, const int64_t* bits_p,
+                 float* op) {
+  const int64_t Hkv = k.size(1);
+  const int64_t g = H / Hkv;
+  int64_t work = 0;
+  for (int64_t t = 0; t < T; ++t) work += cached_p[t] + __builtin_popcountll(static_cast<uint64_t>(bits_p[t]));
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
@@ -144,5 +130,71 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
       }
     }
   });
+}
+
+}  // namespace
+
+// q [T, H, D] float32; k, v [slots, H_kv, S, D] float32 (rows of D contiguous); slot, cached, base, bits [T] int64
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
+                     const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "attend: q [T, H, D] float32");
+  const auto qc = q.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  check_rows(k, v, T, slot, cached, base, bits);
+  TORCH_CHECK(k.size(3) == D && H % k.size(1) == 0, "attend: head sizes");
+  auto out = torch::empty({T, H, D}, q.options());
+  attend_rows(qc.data_ptr<float>(), T, H, D, k, v, slot.data_ptr<int64_t>(), cached.data_ptr<int64_t>(),
+              base.data_ptr<int64_t>(), bits.data_ptr<int64_t>(), out.data_ptr<float>());
+  return out;
+}
+
+// One layer's attention block after the QKV projection, for every row of a forward: RoPE on the q and k heads
+// (x cos + roll(x, D / 2) sin, with Rope.table's signed sin), each row's k and v written to cache row pos[t] of slot
+// slot[t], then attend as above. qkv [T, (H + 2 H_kv) D], cos, sin [T, D] -> [T, H D].
+torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
+                          const torch::Tensor& pos, const torch::Tensor& cached, const torch::Tensor& base,
+                          const torch::Tensor& bits, int64_t H) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat, "rope_attend: qkv");
+  const int64_t T = qkv.size(0), Hkv = k.size(1), D = k.size(3);
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D && H % Hkv == 0 && D % 2 == 0, "rope_attend: head sizes");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "rope_attend: cos, sin");
+  check_rows(k, v, T, slot, cached, base, bits);
+  TORCH_CHECK(pos.scalar_type() == torch::kLong && pos.numel() == T && pos.is_contiguous(), "rope_attend: pos");
+  const int64_t* slot_p = slot.data_ptr<int64_t>();
+  const int64_t* pos_p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos_p[t] >= 0 && pos_p[t] < k.size(2), "rope_attend: row ", t, " writes outside the slot");
+  auto q = torch::empty({T, H, D}, qkv.options());
+  const float* x = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * width;
+    const float* ct = c + t * D;
+    const float* st = s + t * D;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      const float* in = row + h * D;
+      float* o = h < H ? qp + (t * H + h) * D : kp + slot_p[t] * k.stride(0) + (h - H) * k.stride(1) +
+                                                  pos_p[t] * k.stride(2);
+      for (int64_t i = 0; i < D; ++i) {
+        const float rolled = in[i < half ? i + half : i - half];
+        o[i] = in[i] * ct[i] + rolled * st[i];
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* in = row + (H + Hkv + h) * D;
+      float* o = vp + slot_p[t] * v.stride(0) + h * v.stride(1) + pos_p[t] * v.stride(2);
+      for (int64_t i = 0; i < D; ++i) o[i] = in[i];
+    }
+  }
+  auto out = torch::empty({T, H * D}, qkv.options());
+  attend_rows(qp, T, H, D, k, v, slot_p, cached.data_ptr<int64_t>(), base.data_ptr<int64_t>(),
+              bits.data_ptr<int64_t>(), out.data_ptr<float>());
   return out;
 }

@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -143,22 +145,62 @@ void group_rows(const uint8_t* w, const float* dw, const float* mw, int64_t B, c
 }
 
 // x [T, K] float32 or bfloat16; codes [G, B, block_bytes] uint8; d, m [G, B, 16] float32 -> [T, N] float32
+// The row the matmul reads, from a float32 row of the caller: RMSNorm with its weight (``norm``), or SwiGLU of a
+// [gate | up] row (silu(gate) * up), or the row as it is.
+void prepare_row(const float* x, int64_t K, const float* norm, float eps, bool swiglu, float* out) {
+  if (norm != nullptr) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+    for (int64_t i = 0; i < K; ++i) out[i] = (x[i] * inv) * norm[i];
+  } else if (swiglu) {
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) {
+      const __m512 g = _mm512_loadu_ps(x + i);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(x + K + i)));
+    }
+    for (; i < K; ++i) out[i] = x[i] / (1.f + std::exp(-x[i])) * x[K + i];
+  } else {
+    for (int64_t i = 0; i < K; ++i) out[i] = x[i];
+  }
+}
+
+// x [T, K] float32 or bfloat16 ([T, 2K] float32 with swiglu); codes [G, B, block_bytes] uint8; d, m [G, B, 16]
+// float32 -> [T, N] float32 (+ residual [T, N] where given)
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
-                      const torch::Tensor& m, int64_t N, int64_t bits) {
+                      const torch::Tensor& m, int64_t N, int64_t bits, const c10::optional<torch::Tensor>& norm,
+                      double eps, bool swiglu, const c10::optional<torch::Tensor>& residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: x must be a contiguous [T, K] matrix");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: bits must be 4 or 8");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() && codes.dim() == 3, "qlinear: codes");
   TORCH_CHECK(d.scalar_type() == torch::kFloat && m.scalar_type() == torch::kFloat && d.is_contiguous() &&
               m.is_contiguous(), "qlinear: d and m must be contiguous float32");
-  const int64_t T = x.size(0), K = x.size(1), G = codes.size(0), B = codes.size(1);
-  TORCH_CHECK(K == B * QK, "qlinear: x has ", K, " columns, the weight ", B * QK);
+  const int64_t T = x.size(0), G = codes.size(0), B = codes.size(1), K = B * QK;
+  TORCH_CHECK(x.size(1) == (swiglu ? 2 * K : K), "qlinear: x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(codes.size(2) == (bits == 4 ? 256 : 512), "qlinear: codes block size");
   TORCH_CHECK(G * NC >= N && (G - 1) * NC < N, "qlinear: ", G, " column groups cannot hold ", N, " columns");
+  const bool prologue = norm.has_value() || swiglu;
+  TORCH_CHECK(!(norm.has_value() && swiglu), "qlinear: norm or swiglu, not both");
+  TORCH_CHECK(!prologue || x.scalar_type() == torch::kFloat, "qlinear: a fused norm or SwiGLU takes float32 rows");
+  if (norm.has_value())
+    TORCH_CHECK(norm->scalar_type() == torch::kFloat && norm->numel() == K && norm->is_contiguous(), "qlinear: norm");
+  if (residual.has_value())
+    TORCH_CHECK(residual->scalar_type() == torch::kFloat && residual->is_contiguous() && residual->dim() == 2 &&
+                residual->size(0) == T && residual->size(1) == N, "qlinear: residual must be float32 [T, N]");
   auto out = torch::empty({T, N}, x.options().dtype(torch::kFloat));
   if (T == 0) return out;
   std::vector<int8_t> aq(T * K);
   std::vector<float> ad(T * B), as(T * B);
-  if (x.scalar_type() == torch::kFloat) {
+  if (prologue) {
+    std::vector<float> row(K);
+    const float* xp = x.data_ptr<float>();
+    const float* np = norm.has_value() ? norm->data_ptr<float>() : nullptr;
+    for (int64_t t = 0; t < T; ++t) {
+      prepare_row(xp + t * x.size(1), K, np, static_cast<float>(eps), swiglu, row.data());
+      quantize_rows(row.data(), 1, K, aq.data() + t * K, ad.data() + t * B, as.data() + t * B);
+    }
+  } else if (x.scalar_type() == torch::kFloat) {
     quantize_rows(x.data_ptr<float>(), T, K, aq.data(), ad.data(), as.data());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "qlinear: x must be float32 or bfloat16");
@@ -184,6 +226,10 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& codes, const 
                       mask);
     }
   });
+  if (residual.has_value()) {
+    const float* r = residual->data_ptr<float>();
+    for (int64_t i = 0; i < T * N; ++i) o[i] += r[i];
+  }
   return out;
 }
 
@@ -204,9 +250,17 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 // attention.cpp
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
                      const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits);
+torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
+                          const torch::Tensor& pos, const torch::Tensor& cached, const torch::Tensor& base,
+                          const torch::Tensor& bits, int64_t H);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend", &attend, "row-invariant float32 attention over listed cache rows (AVX-512)");
-  mod.def("qlinear", &qlinear, "block-quantized x @ W.T (AVX-512 VNNI)");
+  mod.def("rope_attend", &rope_attend, "RoPE, KV cache writes and attend for one layer's rows");
+  mod.def("qlinear", &qlinear, "block-quantized x @ W.T (AVX-512 VNNI), with an optional fused RMSNorm or SwiGLU "
+          "before and residual after", pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"),
+          pybind11::arg("m"), pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("norm") = pybind11::none(),
+          pybind11::arg("eps") = 0.0, pybind11::arg("swiglu") = false, pybind11::arg("residual") = pybind11::none());
   mod.def("quantize_activations", &quantize_activations, "per-block int8 activations as qlinear takes them");
 }

@@ -28,7 +28,7 @@ from server.engine.backend import (compact_kv, make_attention, make_batched_kern
                                    make_decode_group_attention, make_exact_cpu_attention,
                                    make_exact_cpu_group_attention)
 from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
-from server.engine.model import RowGroup, Segment
+from server.engine.model import CpuRows, RowGroup, Segment
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
 from server.engine.step import SeqStep, StepPlan, StepResult
 from server.engine.target import Target, load_target
@@ -99,6 +99,8 @@ class Engine:
     def forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
         tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
+        if self.exact_cpu:  # every row of the step: one C++ call per layer for RoPE, K/V writes and attention
+            return self.model(*self._cpu_rows(parts))
         if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
             segments, group = [], self._kernel_group(parts)
         else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
@@ -127,6 +129,28 @@ class Engine:
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model(ids, positions, segments, group)  # [T, hidden]
+
+    def _cpu_rows(self, parts) -> tuple[torch.Tensor, torch.Tensor, list, None, CpuRows]:
+        """The quantized CPU target's forward arguments: causal rows (prompt chunks, decode steps) read their slot up
+        to themselves in place, tree rows the cached prefix and then their ancestors."""
+        slot, pos, cached, base, bits, tokens = [], [], [], [], [], []
+        for seq, toks, _, tree_mask in parts:
+            n, c = len(toks), seq.cache_len
+            tokens += toks
+            slot += [seq.slot] * n
+            pos += range(c, c + n)
+            if tree_mask is None:
+                cached += range(c + 1, c + n + 1)
+                base += [0] * n
+                bits += [0] * n
+            else:
+                cached += [c] * n
+                base += [c] * n
+                bits += tree_mask.tolist()
+        positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
+        t = torch.tensor
+        rows = CpuRows(self.pool.k, self.pool.v, t(slot), t(pos), t(cached), t(base), t(bits))
+        return t(tokens), positions, [], None, rows
 
     def _kernel_group(self, parts) -> RowGroup:
         """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the

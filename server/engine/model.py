@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.ops import LlamaArgs, Rope, apply_rope, linear, rms_norm
+from kernels import cpu as cpu_kernels
+from kernels.cpu import BlockQuantWeight
 
 # attention(q [T,H,D], k_cache [H_kv,S,D], v_cache, cache_len, tree_mask | None) -> [T,H,D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
@@ -51,6 +53,21 @@ class RowGroup:
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [n,H,D], k/v [slots,H_kv,S,D]
 
 
+@dataclass
+class CpuRows:
+    """Every row of a forward of the quantized CPU target (float32), for ``kernels.cpu.rope_attend``: row t's K/V go
+    to cache row ``pos[t]`` of slot ``slot[t]``, and it attends to rows 0 .. cached[t] - 1 of that slot, then to rows
+    base[t] + j for each bit j of bits[t] (a draft row's ancestors). One call per layer for all sequences."""
+
+    k: torch.Tensor  # [L, num_slots, H_kv, S, D], the whole pool
+    v: torch.Tensor
+    slot: torch.Tensor    # [T] long, each on the CPU
+    pos: torch.Tensor
+    cached: torch.Tensor
+    base: torch.Tensor
+    bits: torch.Tensor
+
+
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
@@ -63,10 +80,22 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None):
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None,
+                rows: CpuRows | None = None):
         a = self.a
         T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
-        qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
+        # the CPU block-quantized kernel takes the norms, SwiGLU and residual adds into its calls (float32 rows)
+        fused = isinstance(self.wqkv.weight, BlockQuantWeight) and x.dtype == torch.float32
+        if fused:
+            qkv = self.wqkv.weight.fused(x, self.attn_norm, a.rms_norm_eps)
+        else:
+            qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
+        if rows is not None:  # RoPE, K/V writes and attention of every row in one call
+            o = cpu_kernels.rope_attend(qkv, cos, sin, rows.k[layer], rows.v[layer], rows.slot, rows.pos,
+                                        rows.cached, rows.base, rows.bits, H)
+            x = self.wo.weight.fused(o, residual=x)
+            gate_up = self.w_gate_up.weight.fused(x, self.mlp_norm, a.rms_norm_eps)
+            return self.w_down.weight.fused(gate_up, swiglu=True, residual=x)
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
         o = None if len(segments) == 1 and group is None else qkv.new_empty(T, H, a.head_dim)
@@ -85,6 +114,10 @@ class Block(nn.Module):
                 o = out
             else:
                 o[s.start:s.end] = out
+        if fused:
+            x = self.wo.weight.fused(o.reshape(T, -1), residual=x)
+            gate_up = self.w_gate_up.weight.fused(x, self.mlp_norm, a.rms_norm_eps)
+            return self.w_down.weight.fused(gate_up, swiglu=True, residual=x)
         x = x + linear(o.reshape(T, -1), self.wo.weight)
         gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, self.w_down.weight)
@@ -103,7 +136,7 @@ class Llama(nn.Module):
         self.rope = Rope(args, max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                group: RowGroup | None = None) -> torch.Tensor:
+                group: RowGroup | None = None, rows: CpuRows | None = None) -> torch.Tensor:
         """Run the new rows of one or more sequences; returns the last layer's hidden states (before the final
         norm), [T, hidden].
 
@@ -112,13 +145,18 @@ class Llama(nn.Module):
         """
         x = self.embed(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
+        if rows is not None:
+            cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, i, segments, group)  # .forward: skip hook dispatch
+            x = layer.forward(x, cos, sin, i, segments, group, rows)  # .forward: skip hook dispatch
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] pre-norm hidden states -> [T, V] logits."""
-        return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), self.lm_head.weight)
+        w = self.lm_head.weight
+        if isinstance(w, BlockQuantWeight) and hidden.dtype == torch.float32:
+            return w.fused(hidden, self.norm, self.args.rms_norm_eps)
+        return linear(rms_norm(hidden, self.norm, self.args.rms_norm_eps), w)
 
     def matmul_weights(self) -> list:
         """The weights ``linear`` multiplies by (tensors, or packed quantized matrices)."""
