@@ -2,7 +2,9 @@
 
 - ``qlinear.cpp``, the block-quantized linear layer: int4 / int8 weight codes per block of 32 input columns, times
   activations quantized to int8 per row and block, for every row of a step in one pass over the weights;
-- ``attention.cpp``, float32 attention whose result for a row depends on that row's query and keys only (``attend``).
+- ``attention.cpp``, float32 attention whose result for a row depends on that row's query and keys only (``attend``),
+  and with RoPE and the K/V writes before it (``rope_attend``);
+- ``decoder.cpp``, the decoder layers of such a model in one call per forward (``decoder``).
 
 Both give a row the same bits whatever else shares the call, which is what lets a verified draft row stand for a
 decode step. The C++ sources are compiled with ``torch.utils.cpp_extension`` on first use (cached in PyTorch's extensions directory,
@@ -24,7 +26,7 @@ QK = 32  # input columns per block
 NC = 16  # output columns per group (the kernel's lanes)
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _DIR = Path(__file__).parent
-_SOURCES = [str(_DIR / n) for n in ("qlinear.cpp", "attention.cpp")]
+_SOURCES = [str(_DIR / n) for n in ("qlinear.cpp", "attention.cpp", "decoder.cpp")]
 _FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]
 
 _lock = threading.Lock()
@@ -205,6 +207,17 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torc
     Rope.table's signed sin, [T, D]), row t's k and v written to cache row pos[t] of slot slot[t], then ``attend``.
     qkv [T, (H + 2 H_kv) D] -> [T, H D]."""
     return load().rope_attend(qkv, cos, sin, k, v, slot, pos, cached, base, bits, num_heads)
+
+
+def decoder(layers: list[tuple], eps: float, num_heads: int):
+    """The compiled layer loop for a model whose every layer is (qkv, o, gate_up, down: BlockQuantWeight,
+    attn_norm, mlp_norm: float32 tensors): ``.forward(x, cos, sin, k_pool, v_pool, slot, pos, cached, base, bits)``
+    runs what ``qlinear`` and ``rope_attend`` per call would, layer after layer."""
+    tensors, shapes = [], []
+    for *mats, attn_norm, mlp_norm in layers:
+        tensors.append([t for w in mats for t in (w.codes, w.d, w.m)] + [attn_norm.detach(), mlp_norm.detach()])
+        shapes.append([x for w in mats for x in (w.shape[0], w.bits)])
+    return load().Decoder(tensors, shapes, eps, num_heads)
 
 
 def qlinear_reference(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor:

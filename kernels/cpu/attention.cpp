@@ -83,28 +83,46 @@ void attend_rows(const float* qp, int64_t T, int64_t H, int64_t D, const torch::
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   // one task per (row, KV head); a thread is worth waking from a few thousand key reads
   const int64_t tasks = T * Hkv;
-  const int64_t grain = std::max<int64_t>(1, 4096 * tasks / std::max<int64_t>(1, work * Hkv));
+  const int64_t grain = std::max<int64_t>(1, 2048 * tasks / std::max<int64_t>(1, work * Hkv));
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> rows;
     std::vector<float> p;
+    int64_t extra[64];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t t = task / Hkv, hk = task % Hkv;
-      rows.clear();
-      for (int64_t j = 0; j < cached_p[t]; ++j) rows.push_back(j);
-      for (uint64_t b = static_cast<uint64_t>(bits_p[t]); b; b &= b - 1) rows.push_back(base_p[t] + __builtin_ctzll(b));
-      const int64_t n = static_cast<int64_t>(rows.size());
+      // keys: cache rows 0 .. cached - 1, then the rows of the set bits (tree order)
+      const int64_t cached_n = cached_p[t];
+      int64_t n_extra = 0;
+      for (uint64_t b = static_cast<uint64_t>(bits_p[t]); b; b &= b - 1) extra[n_extra++] = base_p[t] + __builtin_ctzll(b);
+      const int64_t n = cached_n + n_extra;
+      auto key_row = [&](int64_t j) { return j < cached_n ? j : extra[j - cached_n]; };
       const float* kh = kp + slot_p[t] * ks0 + hk * ks1;
       const float* vh = vp + slot_p[t] * vs0 + hk * vs1;
       p.resize(n + 16);
       for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
         const float* qh = qp + (t * H + h) * D;
         float* oh = op + (t * H + h) * D;
-        for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
-        if (n == 0) continue;
+        if (n == 0) {
+          for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
+          continue;
+        }
         float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          p[j] = dot(qh, kh + rows[j] * ks2, D) * scale;
-          mx = std::fmax(mx, p[j]);
+        if (D == 64) {  // the common head size: the query and the output in registers
+          const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16), q2 = _mm512_loadu_ps(qh + 32),
+                       q3 = _mm512_loadu_ps(qh + 48);
+          for (int64_t j = 0; j < n; ++j) {
+            const float* kr = kh + key_row(j) * ks2;
+            __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kr));
+            __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(kr + 16));
+            a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kr + 32), a);
+            b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kr + 48), b);
+            p[j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+            mx = std::fmax(mx, p[j]);
+          }
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            p[j] = dot(qh, kh + key_row(j) * ks2, D) * scale;
+            mx = std::fmax(mx, p[j]);
+          }
         }
         // exponentials 16 at a time; lane sums added in a fixed order
         __m512 sum = _mm512_setzero_ps();
@@ -122,7 +140,25 @@ void attend_rows(const float* qp, int64_t T, int64_t H, int64_t D, const torch::
           sum = _mm512_add_ps(sum, e);
         }
         const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int64_t jj = 0; jj < n; ++jj) axpy(oh, p[jj], vh + rows[jj] * vs2, D);
+        if (D == 64) {
+          __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+          for (int64_t jj = 0; jj < n; ++jj) {
+            const float* vr = vh + key_row(jj) * vs2;
+            const __m512 pj = _mm512_set1_ps(p[jj]);
+            o0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), o0);
+            o1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), o1);
+            o2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), o2);
+            o3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), o3);
+          }
+          const __m512 iv = _mm512_set1_ps(inv);
+          _mm512_storeu_ps(oh, _mm512_mul_ps(o0, iv));
+          _mm512_storeu_ps(oh + 16, _mm512_mul_ps(o1, iv));
+          _mm512_storeu_ps(oh + 32, _mm512_mul_ps(o2, iv));
+          _mm512_storeu_ps(oh + 48, _mm512_mul_ps(o3, iv));
+          continue;
+        }
+        for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
+        for (int64_t jj = 0; jj < n; ++jj) axpy(oh, p[jj], vh + key_row(jj) * vs2, D);
         const __m512 iv = _mm512_set1_ps(inv);
         int64_t i = 0;
         for (; i + 16 <= D; i += 16) _mm512_storeu_ps(oh + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), iv));

@@ -166,6 +166,8 @@ void prepare_row(const float* x, int64_t K, const float* norm, float eps, bool s
   }
 }
 
+}  // namespace
+
 // x [T, K] float32 or bfloat16 ([T, 2K] float32 with swiglu); codes [G, B, block_bytes] uint8; d, m [G, B, 16]
 // float32 -> [T, N] float32 (+ residual [T, N] where given)
 torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d,
@@ -245,7 +247,6 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
   return {q, ad, as};
 }
 
-}  // namespace
 
 // attention.cpp
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
@@ -255,7 +256,10 @@ torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, co
                           const torch::Tensor& pos, const torch::Tensor& cached, const torch::Tensor& base,
                           const torch::Tensor& bits, int64_t H);
 
+void bind_decoder(pybind11::module& mod);  // decoder.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  bind_decoder(mod);
   mod.def("attend", &attend, "row-invariant float32 attention over listed cache rows (AVX-512)");
   mod.def("rope_attend", &rope_attend, "RoPE, KV cache writes and attend for one layer's rows");
   mod.def("qlinear", &qlinear, "block-quantized x @ W.T (AVX-512 VNNI), with an optional fused RMSNorm or SwiGLU "

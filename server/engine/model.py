@@ -10,6 +10,7 @@ through nn.Module: on a 2-core CPU the per-op overhead of a 30-layer model is a 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -123,6 +124,9 @@ class Block(nn.Module):
         return x + linear(F.silu(gate) * up, self.w_down.weight)
 
 
+_CPU_DECODERS: "weakref.WeakKeyDictionary[Llama, object]" = weakref.WeakKeyDictionary()
+
+
 class Llama(nn.Module):
     def __init__(self, args: LlamaArgs, max_len: int):
         super().__init__()
@@ -147,9 +151,21 @@ class Llama(nn.Module):
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
         if rows is not None:
             cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
+            return self._cpu_decoder().forward(x, cos, sin, rows.k, rows.v, rows.slot, rows.pos, rows.cached,
+                                               rows.base, rows.bits)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, i, segments, group, rows)  # .forward: skip hook dispatch
         return x
+
+    def _cpu_decoder(self):
+        """The layer loop of the quantized CPU target in one C++ call (``kernels.cpu.decoder``), built on first use
+        (kept beside the model, not in it, so the model stays deep-copyable)."""
+        dec = _CPU_DECODERS.get(self)
+        if dec is None:
+            dec = cpu_kernels.decoder([(b.wqkv.weight, b.wo.weight, b.w_gate_up.weight, b.w_down.weight, b.attn_norm,
+                                        b.mlp_norm) for b in self.layers], self.args.rms_norm_eps, self.args.num_heads)
+            _CPU_DECODERS[self] = dec
+        return dec
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, hidden] pre-norm hidden states -> [T, V] logits."""
