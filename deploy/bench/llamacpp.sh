@@ -13,7 +13,8 @@
 #       Build if needed, then exec llama-server on 127.0.0.1:PORT.
 #
 # Env: SPECSERVE_CACHE_DIR (default ~/.cache/specserve), LLAMACPP_PARALLEL
-# (server slots, default 16), LLAMACPP_CMAKE_ARGS (extra cmake -D flags).
+# (server slots, default 16), LLAMACPP_CTX (total context, default 32768:
+# 2048 per slot at 16 slots), LLAMACPP_CMAKE_ARGS (extra cmake -D flags).
 #
 # The ISA is fixed (AVX2/AVX512 incl. VNNI/BF16, AMX off) instead of
 # GGML_NATIVE=ON: native builds were seen to die with an invalid opcode in an
@@ -75,7 +76,7 @@ case "${1:-}" in
     [[ -f "$model" ]] || die "model not found: $model"
     server="$(build | tail -n1)"
     exec "$server" -m "$model" --host 127.0.0.1 --port "$port" \
-      -t "$(nproc)" -c 4096 --parallel "${LLAMACPP_PARALLEL:-16}" "$@"
+      -t "$(nproc)" -c "${LLAMACPP_CTX:-32768}" --parallel "${LLAMACPP_PARALLEL:-16}" "$@"
     ;;
   *) die "usage: $0 build | serve MODEL.gguf PORT [extra llama-server args...]" ;;
 esac

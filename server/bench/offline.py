@@ -143,7 +143,7 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
 
     tps = {n: statistics.median(t / s for t, s in zip(toks[n], secs[n])) for n in names}
     report = {"model": target.model_id, "dtype": str(target.dtype).removeprefix("torch."),
-              "quantization": cfg.model.quantization, "device": str(target.device),
+              "quantization": target.quantization, "device": str(target.device),
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_tokens": max_tokens,
               "repeats": repeats, "temperature": sampling.temperature, "top_p": sampling.top_p,
               "seed": sampling.seed, "results": []}

@@ -52,6 +52,14 @@ def kernel_path(kind: str, device: torch.device) -> str:
     return "qlinear" if qlinear.load() is not None else "aten"
 
 
+def resolve_quantization(kind: str, device: torch.device) -> str:
+    """``model.quantization: auto``: int4 where the qlinear kernel runs (a GGUF file's own Q4_1 blocks are then served
+    as llama.cpp serves them, and the step is several times cheaper than unquantized), else none."""
+    if kind != "auto":
+        return kind
+    return "int4" if kernel_path("int4", device) == "qlinear" else "none"
+
+
 def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: Path | None = None,
                    kernels: str | None = None) -> str:
     """Quantize ``model`` (a ``server.engine.model.Llama`` already on its device) in place; returns the kernel path

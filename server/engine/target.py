@@ -16,7 +16,7 @@ from core.ops import DTYPES, LlamaArgs, rms_norm
 from server.config import EngineConfig
 from server.engine.backend import make_attention
 from server.engine.model import Llama, Segment
-from server.engine.quant import kernel_path, quantize_model
+from server.engine.quant import kernel_path, quantize_model, resolve_quantization
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_state_dict
 from server.model_files import load_hf_config, resolve_model
@@ -44,6 +44,7 @@ class Target:
     def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None):
         self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
         self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
+        self.quantization = "none"  # what load_target served (model.quantization: auto resolved)
         self.args: LlamaArgs = model.args
 
     @property
@@ -104,6 +105,11 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
     device = resolve_device(cfg.model.device)
+    quantization = resolve_quantization(cfg.model.quantization, device)
+    if quantization != cfg.model.quantization:
+        log.info("model.quantization auto: %s (%s kernels on %s)", quantization,
+                 kernel_path(quantization, device), device)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization=quantization))
     with torch.device("meta"):  # skip random init: every weight is loaded below
         model = Llama(args, cfg.cache.max_seq_len)
     model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
@@ -115,7 +121,9 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     if name == "auto":
         name = choose_dtype(lambda d: _measure_dtype(cfg, model, resolved, device, d), device,
                             cfg.model.quantization, resolved.hf_dir)
-    return _build_target(model, resolved, device, name, cfg.model.quantization)
+    target = _build_target(model, resolved, device, name, cfg.model.quantization)
+    target.quantization = cfg.model.quantization
+    return target
 
 
 def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
