@@ -25,7 +25,7 @@ def common_options(p: argparse.ArgumentParser,
     p.add_argument("--dtype", default=None, choices=["auto", *DTYPES],
                    help="serving dtype (auto: the fastest measured on this machine)")
     p.add_argument("--quantization", default=None, choices=[*QUANTIZATIONS, "auto"],
-                   help="weight-only quantization (auto: int4 where the CPU qlinear kernel runs, else none)")
+                   help="weight-only quantization (auto: a GGUF source's own on CPU, else none)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N")
 
 

@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     source: str = "embedded"
     dtype: str = "auto"  # auto: the fastest of bfloat16 / float32 measured on this machine at start (cached)
-    quantization: str = "none"  # none | int8 | int4 (weight-only) | auto: int4 where the CPU qlinear kernel runs
+    quantization: str = "none"  # none | int8 | int4 (weight-only) | auto: a GGUF source's own on CPU
     device: str = "auto"
     cache_dir: str | None = None  # where converted weights live; default ~/.cache/specserve
 

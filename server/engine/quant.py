@@ -30,7 +30,7 @@ from torch import nn
 
 from core.ops import QUANTIZATIONS, Int4Weight, Int8Weight
 from kernels import cpu as qlinear
-from server.engine.weights import QBlocks, gguf_linear_blocks
+from server.engine.weights import QBlocks, gguf_linear_blocks, gguf_linear_quantization
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,15 @@ def kernel_path(kind: str, device: torch.device) -> str:
     return "qlinear" if qlinear.load() is not None else "aten"
 
 
-def resolve_quantization(kind: str, device: torch.device) -> str:
-    """``model.quantization: auto``: int4 where the qlinear kernel runs (a GGUF file's own Q4_1 blocks are then served
-    as llama.cpp serves them, and the step is several times cheaper than unquantized), else none."""
+def resolve_quantization(kind: str, device: torch.device, gguf: Path | None) -> str:
+    """``model.quantization: auto``: on CPU, a GGUF source's own quantization (int4 for Q4_1 layers, int8 for Q8_0:
+    what llama.cpp serves from the file, several times cheaper per step than de-quantized weights); unquantized for
+    any other source (quantizing it would change the model) and on GPUs."""
     if kind != "auto":
         return kind
-    return "int4" if kernel_path("int4", device) == "qlinear" else "none"
+    if device.type != "cpu" or gguf is None:
+        return "none"
+    return gguf_linear_quantization(gguf) or "none"
 
 
 def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: Path | None = None,

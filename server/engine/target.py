@@ -105,7 +105,7 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
     device = resolve_device(cfg.model.device)
-    quantization = resolve_quantization(cfg.model.quantization, device)
+    quantization = resolve_quantization(cfg.model.quantization, device, resolved.gguf)
     if quantization != cfg.model.quantization:
         log.info("model.quantization auto: %s (%s kernels on %s)", quantization,
                  kernel_path(quantization, device), device)

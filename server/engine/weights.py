@@ -73,6 +73,20 @@ def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
     return out
 
 
+def gguf_linear_quantization(gguf: Path) -> str | None:
+    """What a GGUF file's block linear layers are stored as, read from the tensor types alone: "int4" (every one
+    Q4_1), "int8" (every one Q8_0), else None (float, mixed, or not a Llama file)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    reader = GGUFReader(gguf)
+    if _gguf_field(reader, "general.architecture") != "llama":
+        return None
+    kinds = {t.tensor_type for t in reader.tensors
+             if t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_LINEAR}
+    return {frozenset({GGMLQuantizationType.Q4_1}): "int4",
+            frozenset({GGMLQuantizationType.Q8_0}): "int8"}.get(frozenset(kinds))
+
+
 def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """raw [N, K / 32 * 20] uint8 (per block: float16 d, float16 m, 16 bytes of nibbles) -> q [N, K] uint8,
     d and m [N, K / 32] float32.

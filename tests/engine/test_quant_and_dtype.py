@@ -140,3 +140,20 @@ def test_dtype_auto_measures_the_real_target_and_caches_the_choice(tiny_dir, tmp
                                             "quantization": "int8" if ctx == 32 else "int4"},
                                   "cache": {"num_slots": 1, "max_seq_len": ctx}})
         assert Engine(short).generate([2, 3], max_new_tokens=2).finish_reason == "length"
+
+
+def test_auto_quantization_is_a_gguf_files_own_on_cpu_and_none_otherwise(tiny_dir):
+    from server.engine.quant import resolve_quantization
+    from server.model_files import resolve_model
+
+    gguf = resolve_model("embedded", progress=False).gguf
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization("auto", cpu, gguf) == "int4"  # its block layers are Q4_1
+    assert resolve_quantization("auto", cpu, None) == "none"  # a Hugging Face directory: quantizing would change it
+    assert resolve_quantization("auto", cuda, gguf) == "none"
+    for kind in ("none", "int8", "int4"):
+        assert resolve_quantization(kind, cpu, gguf) == kind
+    cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu",
+                                      "quantization": "auto"}, "cache": {"num_slots": 1, "max_seq_len": 32}})
+    target = load_target(cfg, progress=False)
+    assert target.quantization == "none" and isinstance(target.model.layers[0].wqkv.weight, torch.Tensor)

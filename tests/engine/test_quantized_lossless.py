@@ -24,7 +24,7 @@ DRAFTERS = {"none": {}, "ngram": {"num_tokens": 4}, "maxgram": {}, "glide": {}, 
 @pytest.fixture(scope="module")
 def int4_config():
     return config_from_dict({"model": {"source": "embedded", "dtype": "float32", "device": "cpu",
-                                       "quantization": "int4"},
+                                       "quantization": "auto"},  # make serve's: the file's own int4 on a CPU
                              "cache": {"num_slots": 2, "max_seq_len": 512}})
 
 
@@ -51,6 +51,7 @@ def test_every_registered_drafter_is_covered_here():
 def test_the_target_runs_the_kernel_path_this_machine_has(int4_target):
     from kernels import cpu
 
+    assert int4_target.quantization == "int4"  # model.quantization auto: the GGUF file's Q4_1 layers
     w = int4_target.model.layers[0].wqkv.weight
     want = "qlinear" if cpu.load() is not None else "aten"
     assert kernel_path("int4", int4_target.device) == want
