@@ -101,7 +101,7 @@ def cmd_bench_steps(a: argparse.Namespace) -> int:
 
     cfg = load_config(a.config).with_overrides(device=a.device)
     dtypes = _choices(a.dtypes or cfg.model.dtype, ("auto", *DTYPES), "--dtypes")
-    quants = _choices(a.quantizations or cfg.model.quantization, QUANTIZATIONS, "--quantizations")
+    quants = _choices(a.quantizations or cfg.model.quantization, (*QUANTIZATIONS, "auto"), "--quantizations")
     rows = tuple(int(r) for r in a.rows.split(","))
     if any(not 1 <= r <= 4096 for r in rows):
         raise ConfigError("--rows: each row count must be in [1, 4096] (past 64: causal rows, as a batch of sequences)")

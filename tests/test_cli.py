@@ -121,3 +121,9 @@ def test_bench_steps_prints_the_step_cost_curve(tiny_dir, tmp_path, capsys):
     for c in rep["curves"]:
         assert set(c["ms"]) == {"1", "2", "4"} and all(v > 0 for v in c["ms"].values())
     assert main(["bench", "steps", "--config", str(cfg), "--rows", "0,5000"]) == 2
+    # a config's `quantization: auto` is measured as what it resolves to (a Hugging Face directory: unquantized)
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(f"model: {{source: {tiny_dir}, device: cpu, quantization: auto}}\ncache: {{max_seq_len: 64}}\n")
+    assert main(["bench", "steps", "--config", str(auto), "--dtypes", "float32", "--rows", "1", "--cached", "8",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    assert [c["quantization"] for c in json.loads(out.read_text())["curves"]] == ["none"]

@@ -47,12 +47,12 @@ def run_steps(cfg: EngineConfig, dtypes: list[str], quantizations: list[str], ro
             target = load_target(c, progress=False)
             engine = Engine(c, target=target)
             curve = step_curve(engine, tuple(rows), cached, repeats)
-            entry = {"dtype": str(target.dtype).removeprefix("torch."), "quantization": quant,
+            entry = {"dtype": str(target.dtype).removeprefix("torch."), "quantization": target.quantization,
                      "device": str(target.device), "ms": {str(k): round(v, 3) for k, v in curve.items()}}
             if profile_rows:
                 entry["profile"] = {str(r): profile_step(engine, r, cached) for r in sorted({1, profile_rows})}
             report["curves"].append(entry)
-            log(f"{entry['dtype']} {quant}: " + " ".join(f"{k}:{v:.1f}" for k, v in curve.items()))
+            log(f"{entry['dtype']} {entry['quantization']}: " + " ".join(f"{k}:{v:.1f}" for k, v in curve.items()))
             del engine, target
     return report
 
