@@ -3,7 +3,7 @@
 - ``qlinear.cpp``, the block-quantized linear layer: int4 / int8 weight codes per block of 32 input columns, times
   activations quantized to int8 per row and block, for every row of a step in one pass over the weights;
 - ``attention.cpp``, float32 attention whose result for a row depends on that row's query and keys only (``attend``),
-  and with RoPE and the K/V writes before it (``rope_attend``);
+  and with RoPE and the K/V writes before it (``rope_attend``, which the decoder calls);
 - ``decoder.cpp``, the decoder layers of such a model in one call per forward (``decoder``).
 
 Both give a row the same bits whatever else shares the call, which is what lets a verified draft row stand for a
@@ -200,19 +200,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor
     return load().attend(q, k, v, slot, cached, base, bits)
 
 
-def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                slot: torch.Tensor, pos: torch.Tensor, cached: torch.Tensor, base: torch.Tensor, bits: torch.Tensor,
-                num_heads: int) -> torch.Tensor:
-    """One layer's attention block after the fused QKV projection, every row in one call: RoPE on q and k (cos and
-    Rope.table's signed sin, [T, D]), row t's k and v written to cache row pos[t] of slot slot[t], then ``attend``.
-    qkv [T, (H + 2 H_kv) D] -> [T, H D]."""
-    return load().rope_attend(qkv, cos, sin, k, v, slot, pos, cached, base, bits, num_heads)
-
-
 def decoder(layers: list[tuple], eps: float, num_heads: int):
     """The compiled layer loop for a model whose every layer is (qkv, o, gate_up, down: BlockQuantWeight,
     attn_norm, mlp_norm: float32 tensors): ``.forward(x, cos, sin, k_pool, v_pool, slot, pos, cached, base, bits)``
-    runs what ``qlinear`` and ``rope_attend`` per call would, layer after layer."""
+    runs ``qlinear`` and ``rope_attend`` (RoPE, K/V writes, ``attend``) layer after layer."""
     tensors, shapes = [], []
     for *mats, attn_norm, mlp_norm in layers:
         tensors.append([t for w in mats for t in (w.codes, w.d, w.m)] + [attn_norm.detach(), mlp_norm.detach()])

@@ -30,7 +30,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
 from kernels.kv_compact import kv_compact, kv_compact_ref
 from kernels.tree_attention import tree_attention, tree_attention_batched, tree_mask_to_bool
 
@@ -177,38 +176,6 @@ def _attention(calls: list, T: int, causal: bool = False):
         for (rows, *_), o in zip(calls, outs):
             out[rows] = o
         return out
-
-    return attention
-
-
-def make_exact_cpu_attention(cache_len: int, num_rows: int, tree_mask: torch.Tensor | None):
-    """The quantized CPU target's attention (float32, ``kernels.cpu.attend``) for one sequence's ``num_rows`` new rows
-    after ``cache_len`` cached ones: causal rows read the cache in place up to themselves, tree rows the cached
-    prefix and then their ancestors' rows. Each row computes from its own keys in decode-step order only, so prompt
-    rows, decode steps and draft rows (any tree shape) all get the bits of the decode step at their position: the
-    int8 activations of the qlinear kernel would turn a last-bit difference into a different code."""
-    T = num_rows
-    zeros = torch.zeros(T, dtype=torch.long)
-    if tree_mask is None:
-        cached, base, bits = torch.arange(cache_len + 1, cache_len + T + 1), zeros, zeros
-    else:
-        cached, base, bits = torch.full((T,), cache_len), torch.full((T,), cache_len), tree_mask.cpu().long()
-
-    def attention(q, k_cache, v_cache, cache_len_, tree_mask_):  # k_cache, v_cache: [H_kv, S, D] of the slot
-        return cpu_kernels.attend(q, k_cache[None], v_cache[None], zeros, cached, base, bits)
-
-    return attention
-
-
-def make_exact_cpu_group_attention(slots: list[int], cache_lens: list[int]):
-    """``make_exact_cpu_attention`` for B decode steps of different sequences in one call: q [B, H, D] and one layer
-    of the pool k/v [num_slots, H_kv, S, D] -> [B, H, D]."""
-    slot_t = torch.tensor(slots, dtype=torch.long)
-    cached = torch.tensor(cache_lens, dtype=torch.long) + 1
-    zeros = torch.zeros(len(slots), dtype=torch.long)
-
-    def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.attend(q, k_layer, v_layer, slot_t, cached, zeros, zeros)
 
     return attention
 

@@ -25,8 +25,7 @@ from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
-                                   make_decode_group_attention, make_exact_cpu_attention,
-                                   make_exact_cpu_group_attention)
+                                   make_decode_group_attention)
 from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
 from server.engine.model import CpuRows, RowGroup, Segment
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
@@ -99,8 +98,11 @@ class Engine:
     def forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
         tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
+        tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
+        positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.exact_cpu:  # every row of the step: one C++ call per layer for RoPE, K/V writes and attention
-            return self.model(*self._cpu_rows(parts))
+            return self.model(ids, positions, [], None, self._cpu_rows(parts))
         if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
             segments, group = [], self._kernel_group(parts)
         else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
@@ -112,8 +114,7 @@ class Engine:
                 if batch_decodes and n == 1:
                     decodes.append((start, seq))
                 else:
-                    attn = make_exact_cpu_attention(seq.cache_len, n, tree_mask) if self.exact_cpu else \
-                        make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+                    attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
                     segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
                                             seq.cache_len, tree_mask, attn))
                 start += n
@@ -123,20 +124,15 @@ class Engine:
                 group = RowGroup(torch.tensor([r for r, _ in decodes], device=self.device),
                                  torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
                                  self.pool.k, self.pool.v,
-                                 make_exact_cpu_group_attention(slots, lens) if self.exact_cpu else
                                  make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
-        tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
-        positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.model(ids, positions, segments, group)  # [T, hidden]
 
-    def _cpu_rows(self, parts) -> tuple[torch.Tensor, torch.Tensor, list, None, CpuRows]:
-        """The quantized CPU target's forward arguments: causal rows (prompt chunks, decode steps) read their slot up
-        to themselves in place, tree rows the cached prefix and then their ancestors."""
-        slot, pos, cached, base, bits, tokens = [], [], [], [], [], []
+    def _cpu_rows(self, parts) -> CpuRows:
+        """Where the quantized CPU target's rows go and what they read: causal rows (prompt chunks, decode steps)
+        read their slot up to themselves in place, tree rows the cached prefix and then their ancestors."""
+        slot, pos, cached, base, bits = [], [], [], [], []
         for seq, toks, _, tree_mask in parts:
             n, c = len(toks), seq.cache_len
-            tokens += toks
             slot += [seq.slot] * n
             pos += range(c, c + n)
             if tree_mask is None:
@@ -147,10 +143,8 @@ class Engine:
                 cached += [c] * n
                 base += [c] * n
                 bits += tree_mask.tolist()
-        positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         t = torch.tensor
-        rows = CpuRows(self.pool.k, self.pool.v, t(slot), t(pos), t(cached), t(base), t(bits))
-        return t(tokens), positions, [], None, rows
+        return CpuRows(self.pool.k, self.pool.v, t(slot), t(pos), t(cached), t(base), t(bits))
 
     def _kernel_group(self, parts) -> RowGroup:
         """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the

@@ -56,7 +56,7 @@ class RowGroup:
 
 @dataclass
 class CpuRows:
-    """Every row of a forward of the quantized CPU target (float32), for ``kernels.cpu.rope_attend``: row t's K/V go
+    """Every row of a forward of the quantized CPU target (float32), for ``kernels.cpu.decoder``: row t's K/V go
     to cache row ``pos[t]`` of slot ``slot[t]``, and it attends to rows 0 .. cached[t] - 1 of that slot, then to rows
     base[t] + j for each bit j of bits[t] (a draft row's ancestors). One call per layer for all sequences."""
 
@@ -81,8 +81,7 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None,
-                rows: CpuRows | None = None):
+    def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None):
         a = self.a
         T, H, H_kv = x.shape[0], a.num_heads, a.num_kv_heads
         # the CPU block-quantized kernel takes the norms, SwiGLU and residual adds into its calls (float32 rows)
@@ -91,12 +90,6 @@ class Block(nn.Module):
             qkv = self.wqkv.weight.fused(x, self.attn_norm, a.rms_norm_eps)
         else:
             qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
-        if rows is not None:  # RoPE, K/V writes and attention of every row in one call
-            o = cpu_kernels.rope_attend(qkv, cos, sin, rows.k[layer], rows.v[layer], rows.slot, rows.pos,
-                                        rows.cached, rows.base, rows.bits, H)
-            x = self.wo.weight.fused(o, residual=x)
-            gate_up = self.w_gate_up.weight.fused(x, self.mlp_norm, a.rms_norm_eps)
-            return self.w_down.weight.fused(gate_up, swiglu=True, residual=x)
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
         o = None if len(segments) == 1 and group is None else qkv.new_empty(T, H, a.head_dim)
@@ -154,7 +147,7 @@ class Llama(nn.Module):
             return self._cpu_decoder().forward(x, cos, sin, rows.k, rows.v, rows.slot, rows.pos, rows.cached,
                                                rows.base, rows.bits)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, i, segments, group, rows)  # .forward: skip hook dispatch
+            x = layer.forward(x, cos, sin, i, segments, group)  # .forward: skip hook dispatch
         return x
 
     def _cpu_decoder(self):

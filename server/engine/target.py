@@ -49,8 +49,8 @@ class Target:
 
     @property
     def kernels(self) -> str:
-        """"qlinear" where the linear layers run the CPU block-quantized kernel (its attention kernel then serves
-        the float32 rows too: ``server.engine.backend.make_exact_cpu_attention``), else "aten"."""
+        """"qlinear" where the linear layers run the CPU block-quantized kernel (a float32 engine then runs every row
+        through ``kernels.cpu.decoder``, its row-invariant attention included), else "aten"."""
         from kernels.cpu import BlockQuantWeight
 
         return "qlinear" if isinstance(self.model.layers[0].wqkv.weight, BlockQuantWeight) else "aten"
