@@ -237,6 +237,20 @@ class Int8Weight:
         return F.linear(x, self.dequantize())
 
 
+def minmax_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of ``group`` input columns from each group's min and max (GGUF Q4_1's
+    quantizer without an importance matrix): w [N, K] -> q [N, K] int32 in 0..15, scale and min [N, K / group]
+    float32, W ~= scale * q + min."""
+    N, K = w.shape
+    if K % group:
+        raise ValueError(f"int4: {K} input columns are not a multiple of the group size {group}")
+    wg = w.float().view(N, K // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K / group]
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(N, K)
+    return q, scale, lo
+
+
 @dataclass
 class Int4Weight:
     """Weight-only 4-bit, asymmetric per group of ``group`` input columns: W ~= (q - 8) * scale + zero, q in [0, 15]
@@ -252,13 +266,7 @@ class Int4Weight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor, dtype: torch.dtype, group: int = 32) -> "Int4Weight":
-        N, K = w.shape
-        if K % group:
-            raise ValueError(f"int4: {K} input columns are not a multiple of the group size {group}")
-        wg = w.float().view(N, K // group, group)
-        lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K / group]
-        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-        q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(N, K)
+        q, scale, lo = minmax_int4(w, group)
         return cls.from_groups(q, scale, lo + 8.0 * scale, dtype, group)
 
     @classmethod

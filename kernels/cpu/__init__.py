@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from core.ops import minmax_int4
+
 QK = 32  # input columns per block
 NC = 16  # output columns per group (the kernel's lanes)
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -138,13 +140,10 @@ class BlockQuantWeight:
         N, K = w.shape
         if K % QK:
             raise ValueError(f"qlinear: {K} input columns are not a multiple of {QK}")
-        wg = w.float().view(N, K // QK, QK)
         if bits == 4:
-            lo, hi = wg.amin(-1), wg.amax(-1)
-            d = (hi - lo) / 15.0
-            inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-            q = torch.round((wg - lo[..., None]) * inv[..., None]).clamp_(0, 15).view(N, K)
+            q, d, lo = minmax_int4(w, QK)
             return cls.from_blocks(q.to(torch.uint8), d, lo, 4)
+        wg = w.float().view(N, K // QK, QK)
         d = wg.abs().amax(-1) / 127.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         q = torch.round(wg * inv[..., None]).clamp_(-127, 127).view(N, K)
