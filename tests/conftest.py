@@ -98,6 +98,15 @@ def prompts(request, tokenizer):
     return encode_prompts(tokenizer, request.module.PROMPTS)
 
 
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    """tests.lossless.DRAFTER_PROMPTS encoded for the default model: a chat answer with code, a prose answer, a code
+    completion (the drafters' lossless tests and the quantized target's)."""
+    from tests.lossless import DRAFTER_PROMPTS
+
+    return encode_prompts(tokenizer, DRAFTER_PROMPTS)
+
+
 def encode_prompts(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]:
     """("chat", text) -> one user message through the chat template; ("text", text) -> a raw completion prompt."""
     from server.tokenization import encode_record

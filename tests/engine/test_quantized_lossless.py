@@ -10,8 +10,7 @@ from drafters.base import create_drafter, drafter_names
 from server.config import config_from_dict
 from server.engine import Engine, load_target
 from server.engine.quant import kernel_path
-from tests.conftest import encode_prompts
-from tests.lossless import DRAFTER_PROMPTS, assert_lossless, plain_tokens, tokens_per_step
+from tests.lossless import assert_lossless, plain_tokens, tokens_per_step
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +30,6 @@ def int4_config():
 @pytest.fixture(scope="module")
 def int4_target(int4_config):
     return load_target(int4_config, progress=False)
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return encode_prompts(tokenizer, DRAFTER_PROMPTS)
 
 
 @pytest.fixture(scope="module")
