@@ -145,15 +145,15 @@ void group_rows(const uint8_t* w, const float* dw, const float* mw, int64_t B, c
 }
 
 // x [T, K] float32 or bfloat16; codes [G, B, block_bytes] uint8; d, m [G, B, 16] float32 -> [T, N] float32
-// The row the matmul reads, from a float32 row of the caller: RMSNorm with its weight (``norm``), or SwiGLU of a
-// [gate | up] row (silu(gate) * up), or the row as it is.
-void prepare_row(const float* x, int64_t K, const float* norm, float eps, bool swiglu, float* out) {
+// The row the matmul reads, from a float32 row of the caller: RMSNorm with its weight (``norm``), else SwiGLU of a
+// [gate | up] row (silu(gate) * up). Rows without a prologue are quantized as they are.
+void prepare_row(const float* x, int64_t K, const float* norm, float eps, float* out) {
   if (norm != nullptr) {
     float ss = 0.f;
     for (int64_t i = 0; i < K; ++i) ss += x[i] * x[i];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
     for (int64_t i = 0; i < K; ++i) out[i] = (x[i] * inv) * norm[i];
-  } else if (swiglu) {
+  } else {
     int64_t i = 0;
     for (; i + 16 <= K; i += 16) {
       const __m512 g = _mm512_loadu_ps(x + i);
@@ -161,8 +161,6 @@ void prepare_row(const float* x, int64_t K, const float* norm, float eps, bool s
       _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(x + K + i)));
     }
     for (; i < K; ++i) out[i] = x[i] / (1.f + std::exp(-x[i])) * x[K + i];
-  } else {
-    for (int64_t i = 0; i < K; ++i) out[i] = x[i];
   }
 }
 
@@ -199,7 +197,7 @@ torch::Tensor qlinear(const torch::Tensor& x, const torch::Tensor& codes, const 
     const float* xp = x.data_ptr<float>();
     const float* np = norm.has_value() ? norm->data_ptr<float>() : nullptr;
     for (int64_t t = 0; t < T; ++t) {
-      prepare_row(xp + t * x.size(1), K, np, static_cast<float>(eps), swiglu, row.data());
+      prepare_row(xp + t * x.size(1), K, np, static_cast<float>(eps), row.data());
       quantize_rows(row.data(), 1, K, aq.data() + t * K, ad.data() + t * B, as.data() + t * B);
     }
   } else if (x.scalar_type() == torch::kFloat) {
