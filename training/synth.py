@@ -424,7 +424,10 @@ class Templates:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], tokenize=False)
         suffix = rendered[rendered.index(MARK) + len(MARK):]
         ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+        # Special added tokens count too: some tokenizers (transformers 5.17's GGUF conversion) list only the named
+        # ones (bos, eos, unk, pad) in ``all_special_ids``, and the end-of-turn token is then missing from it.
         specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+        specials |= {i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items() if t.special}
         answer_stops = set(stop_token_ids(tokenizer, eos_token_ids))
         # The end of a user turn: the first token after the user's text (``<|im_end|>`` in ChatML), when special.
         self.end_of_turn = ids[0] if ids and ids[0] in specials else min(answer_stops)

@@ -187,6 +187,28 @@ def test_answer_temperatures_follow_the_share():
 
 
 # -- the chat template -----------------------------------------------------------------------------------------
+class _NamedSpecialsOnly:
+    """The tokenizer as transformers 5.17 converts it from the GGUF file: ``all_special_ids`` lists only the named
+    special tokens ([1, 0]), not ``<|im_end|>``, which stays a special added token, and eos is ``<|im_start|>``."""
+
+    def __init__(self, tok, ids, eos):
+        self._tok, self.all_special_ids, self.eos_token_id = tok, ids, eos
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, *a, **kw):
+        return self._tok(*a, **kw)
+
+
+def test_end_of_turn_is_found_when_the_tokenizer_lists_only_named_specials(tokenizer, target32):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    im_start, endoftext = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|endoftext|>"])
+    narrow = _NamedSpecialsOnly(tokenizer, [im_start, endoftext], im_start)
+    tpl = Templates(narrow, target32.args.eos_token_ids)
+    assert tpl.end_of_turn == im_end and im_end in tpl.turn_stops
+
+
 def test_user_turn_prefix_comes_from_the_chat_template(tokenizer, target32):
     tpl = Templates(tokenizer, target32.args.eos_token_ids)
     assert tokenizer.convert_ids_to_tokens(tpl.end_of_turn) == "<|im_end|>"

@@ -1,0 +1,103 @@
+"""The training corpus kept in the repository (training/corpus.py): saved from one cache, restored into another, the
+pipeline there resumes with no generation and the trainers read the same answers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from training import corpus
+from training.common import answers_path, synth_dir
+from training.data import AnswerSettings, answer_records, load_responses, prompt_records, shard_dir
+from training.synth import SynthSettings, synthesize_prompts
+
+SYNTH = SynthSettings(count=6, max_generated=6, shard_size=3, max_prompt_tokens=24, max_answer_tokens=16,
+                      multi_turn_share=0.34, seed=0)
+ANSWERS = AnswerSettings(max_new_tokens=8, sampled_share=0.5, temperatures=(0.7, 1.0), shard_size=3, seed=0)
+QUIET = dict(progress=False, log=lambda m: None)
+
+
+def in_cache(cfg, path):
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cache_dir=str(path)))
+
+
+def run_pipeline(cfg, target, max_shards=None):
+    """``train prompts`` then ``train data`` into cfg's cache, as the CLI runs them (default paths)."""
+    st = synthesize_prompts(cfg, target, synth_dir(cfg, target.model_id), SYNTH, batch=4, max_shards=max_shards,
+                            **QUIET)
+    records = prompt_records("synth", synth_dir(cfg, target.model_id) / "train.jsonl")
+    records += [{"messages": [{"role": "user", "content": "Name a color."}], "source": "chat", "category": "chat"},
+                {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                              {"role": "user", "content": "And times 3?"}], "source": "synth", "category": "math"}]
+    data = answer_records(cfg, target, records, answers_path(cfg, target.model_id), ANSWERS, batch=3,
+                          max_shards=max_shards, **QUIET)
+    return st, data
+
+
+@pytest.fixture(scope="module")
+def first(fp32_config, target32, tmp_path_factory):
+    cfg = in_cache(fp32_config, tmp_path_factory.mktemp("cache-one"))
+    st, data = run_pipeline(cfg, target32)
+    assert st["complete"] and data["complete"] and any("turn" in it for it in data["items"])
+    return cfg, data
+
+
+def test_answers_pack_to_uint16_and_back(first, target32):
+    cfg, data = first
+    shards = sorted(shard_dir(answers_path(cfg, target32.model_id)).glob("answers-*.pt"))
+    assert len(shards) >= 2
+    for p in shards:
+        shard = torch.load(p, weights_only=True)
+        arrays = corpus.pack_answers(shard)
+        assert arrays["prompt"].dtype == np.uint16 and arrays["response"].dtype == np.uint16
+        assert corpus.unpack_answers(arrays) == shard
+    turns = [it for it in data["items"] if "turn" in it]
+    conv = {"key": "conversations", "items": turns, "seconds": 0.0}
+    assert turns and corpus.unpack_answers(corpus.pack_answers(conv)) == conv
+    big = {"key": "k", "seconds": 0.0, "items": [{**turns[0], "response_ids": [70000]}]}
+    with pytest.raises(ValueError, match="uint16"):
+        corpus.pack_answers(big)
+
+
+def test_saved_corpus_restores_into_a_fresh_cache_and_the_pipeline_resumes_there(first, fp32_config, target32,
+                                                                                   tmp_path, monkeypatch):
+    cfg, data = first
+    root = tmp_path / "corpus"
+    saved = corpus.save(cfg, target32.model_id, root=root, log=lambda m: None)
+    assert saved["synth_shards"] == 2 and saved["answer_shards"] >= 2
+    assert corpus.save(cfg, target32.model_id, root=root, log=lambda m: None) == \
+        {"synth_shards": 0, "synth_files": 0, "answer_shards": 0}  # nothing new: nothing rewritten
+    # A fresh machine: the trainers' ensure_data finds no answers in its cache and takes the corpus's.
+    from training.data import ensure_data
+
+    monkeypatch.setattr(corpus, "CORPUS_ROOT", root)
+    fresh = in_cache(fp32_config, tmp_path / "cache-two")
+    path, items = ensure_data(fresh, target32, None, 8, 3, None, **QUIET)
+    assert path == answers_path(fresh, target32.model_id) and items == data["items"]
+    assert load_responses(path)["complete"]
+    one, two = synth_dir(cfg, target32.model_id), synth_dir(fresh, target32.model_id)
+    for name in ("train.jsonl", "heldout.jsonl", "plan.json", "shards/raw-00000.json", "shards/raw-00001.json"):
+        assert (two / name).read_bytes() == (one / name).read_bytes(), name
+    assert answers_path(fresh, target32.model_id).with_suffix(".card.json").read_text() == \
+        answers_path(cfg, target32.model_id).with_suffix(".card.json").read_text()
+    # The pipeline there generates nothing: every prompt shard and every answer shard is reused (keys match).
+    st, again = run_pipeline(fresh, target32, max_shards=0)
+    assert st["complete"] and again["complete"] and again["items"] == data["items"]
+    # A restore never overwrites what a cache holds.
+    (two / "train.jsonl").write_text("")
+    assert corpus.restore(fresh, target32.model_id, root=root, log=lambda m: None) == \
+        {"synth_shards": 0, "synth_files": 0, "answer_shards": 0, "answers_file": 0}
+    assert (two / "train.jsonl").read_text() == ""
+
+
+def test_save_refuses_shards_of_other_settings(first, target32, tmp_path):
+    cfg, _ = first
+    root = tmp_path / "corpus"
+    corpus.save(cfg, target32.model_id, root=root, log=lambda m: None)
+    plan = root / target32.model_id / "synth" / "plan.json"
+    plan.write_text(json.dumps({**json.loads(plan.read_text()), "seed": 5}))
+    with pytest.raises(ValueError, match="other settings"):
+        corpus.save(cfg, target32.model_id, root=root, log=lambda m: None)

@@ -1,0 +1,213 @@
+"""The training data kept in the repository, so that it accumulates from run to run instead of living only in a cache.
+
+``training/corpus/<target id>/`` holds, compactly, what ``train prompts`` and ``train data`` write to the work
+directory (``<cache>/train/<target id>/``, training/common.py):
+
+    synth/plan.json, synth/stats.json          the settings the shards were made with, the last filtering's stats
+    synth/train.jsonl.xz, synth/heldout.jsonl.xz   the synthesized prompts (what ``train data`` answers)
+    synth/raw-NNNNN.json.xz                    the raw shards, so a larger ``--count`` continues them
+    answers/answers-NNNNN.npz                  the target's answers: token ids as uint16, one file per shard
+    answers/conversations.npz                  answers taken from synthesized conversations (no generation)
+    answers/data.json, answers/card.json       the merged answers file's header, and its data card
+
+``restore`` copies what the work directory lacks out of the corpus before a run (a shard is then reused only when its
+key still matches, as any cached shard) and, where the corpus holds a complete answers set, writes the merged answers
+file the trainers read (whatever dtype the trainer's own target runs in); ``save`` (``specserve train save-data``) writes the work directory's shards
+the corpus lacks or holds in another version back into it, to be committed. The shard formats, keys and resumption are
+the pipeline's own (training/synth.py, training/data.py): this module only moves files and packs answers.
+"""
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from training.common import answers_path, synth_dir
+from training.data import shard_dir
+
+CORPUS_ROOT = Path(__file__).resolve().parent / "corpus"
+FINISH = ("stop", "length", "refused")  # finish_reason codes of packed answers
+_SYNTH_PLAIN = ("plan.json", "stats.json")
+_SYNTH_PACKED = ("train.jsonl", "heldout.jsonl")
+
+
+def corpus_dir(model_id: str, root: Path | None = None) -> Path:
+    return Path(root or CORPUS_ROOT) / model_id
+
+
+# -- answers: a shard of items <-> uint16 arrays --------------------------------------------------------------------
+def pack_answers(shard: dict) -> dict[str, np.ndarray]:
+    """An answer shard ({"key", "items", "seconds"}, training/data.py) as arrays: token ids uint16, lengths, labels."""
+    items = shard["items"]
+    if any(max(it["prompt_ids"] + it["response_ids"], default=0) > 0xFFFF for it in items):
+        raise ValueError("token ids above 65535 do not fit the uint16 corpus format")
+    labels = [[it["source"], it["category"]] for it in items]
+    return {
+        "key": np.frombuffer(shard["key"].encode(), dtype=np.uint8),
+        "seconds": np.array([shard["seconds"]], dtype=np.float64),
+        "prompt": np.array([t for it in items for t in it["prompt_ids"]], dtype=np.uint16),
+        "prompt_len": np.array([len(it["prompt_ids"]) for it in items], dtype=np.int32),
+        "response": np.array([t for it in items for t in it["response_ids"]], dtype=np.uint16),
+        "response_len": np.array([len(it["response_ids"]) for it in items], dtype=np.int32),
+        "index": np.array([it["index"] for it in items], dtype=np.int64),
+        "temperature": np.array([it["temperature"] for it in items], dtype=np.float32),
+        "finish": np.array([FINISH.index(it["finish_reason"]) for it in items], dtype=np.uint8),
+        "turn": np.array([it.get("turn", -1) for it in items], dtype=np.int32),  # -1: a generated answer
+        "labels": np.frombuffer(json.dumps(labels).encode(), dtype=np.uint8),
+    }
+
+
+def unpack_answers(arrays) -> dict:
+    """The inverse of ``pack_answers``: the shard dict the pipeline reads."""
+    labels = json.loads(bytes(arrays["labels"]).decode())
+    p_end = np.cumsum(arrays["prompt_len"])
+    r_end = np.cumsum(arrays["response_len"])
+    prompt, response = arrays["prompt"].astype(np.int64), arrays["response"].astype(np.int64)
+    items = []
+    for i, (source, category) in enumerate(labels):
+        items.append({
+            "prompt_ids": prompt[p_end[i] - arrays["prompt_len"][i]:p_end[i]].tolist(),
+            "response_ids": response[r_end[i] - arrays["response_len"][i]:r_end[i]].tolist(),
+            "source": source, "index": int(arrays["index"][i]), "category": category,
+            # float32 keeps the temperatures the pipeline uses (0.0, 0.7, 1.0 ...) to their shortest decimal
+            "temperature": float(np.format_float_positional(arrays["temperature"][i])),
+            "finish_reason": FINISH[int(arrays["finish"][i])],
+        })
+        if arrays["turn"][i] >= 0:
+            items[-1]["turn"] = int(arrays["turn"][i])
+    return {"key": bytes(arrays["key"]).decode(), "items": items, "seconds": float(arrays["seconds"][0])}
+
+
+def _load_packed(path: Path) -> dict:
+    with np.load(path) as arrays:
+        return unpack_answers(arrays)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+# -- restore: corpus -> work directory --------------------------------------------------------------------------------
+def restore(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, int]:
+    """Copy into the work directory every corpus file it lacks. Returns counts of what was copied."""
+    src = corpus_dir(model_id, root)
+    counts = {"synth_shards": 0, "synth_files": 0, "answer_shards": 0, "answers_file": 0}
+    if not src.is_dir():
+        return counts
+    sdir = synth_dir(cfg, model_id)
+    for name in _SYNTH_PLAIN:
+        if (src / "synth" / name).is_file() and not (sdir / name).exists():
+            _write_bytes(sdir / name, (src / "synth" / name).read_bytes())
+            counts["synth_files"] += 1
+    for name in _SYNTH_PACKED:
+        packed = src / "synth" / (name + ".xz")
+        if packed.is_file() and not (sdir / name).exists():
+            _write_bytes(sdir / name, lzma.decompress(packed.read_bytes()))
+            counts["synth_files"] += 1
+    for packed in sorted((src / "synth").glob("raw-*.json.xz")):
+        dst = sdir / "shards" / packed.name[:-3]
+        if not dst.exists():
+            _write_bytes(dst, lzma.decompress(packed.read_bytes()))
+            counts["synth_shards"] += 1
+    adir = shard_dir(answers_path(cfg, model_id))
+    for packed in sorted((src / "answers").glob("answers-*.npz")):
+        dst = adir / (packed.stem + ".pt")
+        if not dst.exists():
+            shard = _load_packed(packed)
+            adir.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            torch.save(shard, tmp)
+            tmp.replace(dst)
+            counts["answer_shards"] += 1
+    adata = src / "answers" / "data.json"
+    out = answers_path(cfg, model_id)
+    if adata.is_file() and not out.exists():
+        head = json.loads(adata.read_text())
+        shards = [src / "answers" / f"answers-{k:05d}.npz" for k in range(head.pop("shards"))]
+        if all(p.exists() for p in shards):
+            items = [it for p in shards for it in _load_packed(p)["items"]
+                     if it["finish_reason"] != "refused" and it["response_ids"]]
+            if (src / "answers" / "conversations.npz").is_file():
+                items += _load_packed(src / "answers" / "conversations.npz")["items"]
+            tmp = out.with_name(out.name + ".tmp")
+            torch.save({**head, "items": items}, tmp)
+            tmp.replace(out)
+            if (src / "answers" / "card.json").is_file():
+                _write_bytes(out.with_suffix(".card.json"), (src / "answers" / "card.json").read_bytes())
+            counts["answers_file"] = 1
+    if any(counts.values()):
+        log(f"restored from the repository's corpus {src}: {counts['synth_shards']} prompt shards, "
+            f"{counts['synth_files']} prompt files, {counts['answer_shards']} answer shards")
+    return counts
+
+
+# -- save: work directory -> corpus -----------------------------------------------------------------------------------
+def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, int]:
+    """Write into the corpus every work-directory shard and file it lacks or holds in another version. An answer
+    shard is saved only when its key is new to the corpus; the prompt files and stats are replaced by the work
+    directory's (they are derived from the shards). Returns counts of what was written."""
+    dst = corpus_dir(model_id, root)
+    counts = {"synth_shards": 0, "synth_files": 0, "answer_shards": 0}
+    sdir = synth_dir(cfg, model_id)
+    if (sdir / "plan.json").is_file():
+        if (dst / "synth" / "plan.json").is_file() and \
+                json.loads((dst / "synth" / "plan.json").read_text()) != json.loads((sdir / "plan.json").read_text()):
+            raise ValueError(f"{dst / 'synth'} holds prompt shards made with other settings than {sdir}: move one "
+                             "of them aside first")
+        for name in _SYNTH_PLAIN:
+            if (sdir / name).is_file() and _differs(sdir / name, dst / "synth" / name):
+                _write_bytes(dst / "synth" / name, (sdir / name).read_bytes())
+                counts["synth_files"] += 1
+        for name in _SYNTH_PACKED:
+            packed = dst / "synth" / (name + ".xz")
+            if (sdir / name).is_file() and (not packed.exists() or
+                                            lzma.decompress(packed.read_bytes()) != (sdir / name).read_bytes()):
+                _write_bytes(packed, lzma.compress((sdir / name).read_bytes(), preset=9))
+                counts["synth_files"] += 1
+        for raw in sorted((sdir / "shards").glob("raw-*.json")):
+            packed = dst / "synth" / (raw.name + ".xz")
+            if not packed.exists():
+                _write_bytes(packed, lzma.compress(raw.read_bytes(), preset=9))
+                counts["synth_shards"] += 1
+    adir = shard_dir(answers_path(cfg, model_id))
+    for path in sorted(adir.glob("answers-*.pt")):
+        shard = torch.load(path, weights_only=True)
+        out = dst / "answers" / (path.stem + ".npz")
+        if out.exists():
+            with np.load(out) as old:
+                if bytes(old["key"]).decode() == shard["key"]:
+                    continue
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.stem + ".tmp.npz")
+        np.savez_compressed(tmp, **pack_answers(shard))
+        tmp.replace(out)
+        counts["answer_shards"] += 1
+    merged = answers_path(cfg, model_id)
+    if merged.is_file():  # a complete ``train data``: its header, the conversation answers and the card
+        data = torch.load(merged, weights_only=True)
+        shards = len(list(adir.glob("answers-*.pt")))
+        if data.get("complete") and shards:
+            head = {k: v for k, v in data.items() if k != "items"} | {"shards": shards}
+            text = (json.dumps(head, indent=1) + "\n").encode()
+            if not (dst / "answers" / "data.json").is_file() or (dst / "answers" / "data.json").read_bytes() != text:
+                _write_bytes(dst / "answers" / "data.json", text)
+            conv = {"key": "conversations", "items": [it for it in data["items"] if "turn" in it], "seconds": 0.0}
+            path = dst / "answers" / "conversations.npz"
+            if not path.is_file() or _load_packed(path) != conv:
+                np.savez_compressed(path, **pack_answers(conv))
+            card = merged.with_suffix(".card.json")
+            if card.is_file():
+                _write_bytes(dst / "answers" / "card.json", card.read_bytes())
+    log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
+        f"{counts['answer_shards']} answer shards")
+    return counts
+
+
+def _differs(a: Path, b: Path) -> bool:
+    return not b.exists() or a.read_bytes() != b.read_bytes()
