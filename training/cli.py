@@ -116,6 +116,10 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
                              shard_size=a.shard_size, max_generated=a.max_generated)
     cfg = config_from_args(a)
     target = load_target(cfg)
+    if not a.out:  # continue the shards the repository keeps (training/corpus.py)
+        from training import corpus
+
+        corpus.restore(cfg, target.model_id, log=log_stderr)
     out = Path(a.out) if a.out else synth_dir(cfg, target.model_id)
     st = synthesize_prompts(cfg, target, out, settings, batch=a.batch, step_tokens=a.step_tokens, log=log_stderr,
                             command=_replay_command(a))
@@ -139,6 +143,10 @@ def cmd_train_data(a: argparse.Namespace) -> int:
                               sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
     cfg = config_from_args(a)
     target = load_target(cfg)
+    if not a.data:
+        from training import corpus
+
+        corpus.restore(cfg, target.model_id, log=log_stderr)
     records = prompt_records(a.prompts, synth_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
     records = records[:a.limit] if a.limit else records
     path = Path(a.data) if a.data else answers_path(cfg, target.model_id)
@@ -148,6 +156,19 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     items = data["items"]
     print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens; data card "
           f"{path.with_suffix('.card.md')}")
+    return 0
+
+
+def cmd_train_save_data(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from server.config import load_config
+    from server.model_files import resolve_model
+    from training import corpus
+
+    cfg = load_config(a.config)
+    model_id = resolve_model(cfg.model.source, cfg.model.cache_dir).model_id
+    corpus.save(cfg, model_id, root=Path(a.to) if a.to else None, log=print)
     return 0
 
 
@@ -273,6 +294,11 @@ def add_commands(sub) -> None:
     ta.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
     ta.add_argument("--seed", type=int, default=0)
     ta.set_defaults(func=cmd_train_accept_head)
+    ts = tsub.add_parser("save-data", help="write the cached prompt and answer shards the repository's corpus "
+                         "lacks into it (training/corpus/<target>/), to be committed")
+    ts.add_argument("--config", default=None, help="YAML config (default: embedded model)")
+    ts.add_argument("--to", default=None, help="corpus root (default: training/corpus)")
+    ts.set_defaults(func=cmd_train_save_data)
     te = tsub.add_parser("eval-glide", help="acceptance of GLIDE checkpoints (chain or CAPE) on a prompt file")
     common_options(te, drafter_help=None)
     te.add_argument("--checkpoint", action="append", required=True, help="checkpoint path (repeatable)")

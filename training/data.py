@@ -192,11 +192,12 @@ def answer_sampling(index: int, s: AnswerSettings):
     return SamplingParams() if t == 0.0 else SamplingParams(temperature=t, seed=stable_int(s.seed, "answer", index))
 
 
-def _shard_key(model_id: str, dtype, s: AnswerSettings, records: list[dict], prompts: list[list[int]],
-               indices: range) -> str:
-    """What a shard's answers depend on: the target, the settings, and its prompts (ids and labels)."""
+def _shard_key(model_id: str, dtype, quantization: str, s: AnswerSettings, records: list[dict],
+               prompts: list[list[int]], indices: range) -> str:
+    """What a shard's answers depend on: the target (weights, dtype, quantization), the settings, and its prompts (ids
+    and labels)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps([model_id, str(dtype), s.max_new_tokens, list(s.temperatures), s.sampled_share, s.seed,
+    h.update(json.dumps([model_id, str(dtype), quantization, s.max_new_tokens, list(s.temperatures), s.sampled_share, s.seed,
                          indices.start, indices.stop]).encode())
     for i in indices:
         h.update(json.dumps([prompts[i], records[i].get("source"), records[i].get("category")]).encode())
@@ -229,7 +230,7 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
     shards = [range(a, min(a + s.shard_size, len(records))) for a in range(0, len(records), s.shard_size)]
     sdir = shard_dir(out)
     sdir.mkdir(parents=True, exist_ok=True)
-    keys = [_shard_key(target.model_id, target.dtype, s, records, prompts, r) for r in shards]
+    keys = [_shard_key(target.model_id, target.dtype, target.quantization, s, records, prompts, r) for r in shards]
     done = {k for k, key in enumerate(keys) if _shard_ok(sdir / f"answers-{k:05d}.pt", key)}
     todo = [k for k in range(len(shards)) if k not in done]
     if done:
@@ -491,6 +492,10 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
     """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
     the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
     batched engine (resumable; training/data.py)."""
+    if not data_path:  # the answers the repository keeps (training/corpus.py), where this cache lacks them
+        from training import corpus
+
+        corpus.restore(cfg, target.model_id, log=log)
     path = Path(data_path) if data_path else answers_path(cfg, target.model_id)
     data = load_responses(path) if path.exists() else None
     if data is None or not data.get("complete", False):
