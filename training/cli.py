@@ -40,7 +40,7 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist)
     run_train_falcon(config_from_args(a), out=a.out, data_path=a.data, opts=opts, k=a.k, vocab_subset=a.vocab_subset,
                      max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit,
-                     text_tokens=a.text_tokens, log=log_stderr)
+                     text_tokens=a.text_tokens, init=a.init, log=log_stderr)
     return 0
 
 
@@ -274,6 +274,9 @@ def add_commands(sub) -> None:
                     help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")
     tf.add_argument("--text-tokens", type=int, default=0,
                     help="tokens of shipped text (stdlib sources, /usr/share/doc Markdown) added to the data")
+    tf.add_argument("--init", default=None, metavar="CHECKPOINT",
+                    help="continue training that checkpoint (its k and kept vocabulary) on this run's data, with a "
+                    "fresh optimizer; step 0 of the log is its agreement on this run's validation split")
     tf.add_argument("--seed", type=int, default=0)
     tf.set_defaults(func=cmd_train_falcon)
     ta.add_argument("--drafter", choices=["glide", "falcon"], default="glide",

@@ -31,6 +31,7 @@ true stream alone), the paper's ablation.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -298,17 +299,31 @@ def build_model(target, vocab_ids: torch.Tensor, k: int = 2) -> FalconModel:
 def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None,
                      opts: FalconTrainOptions | None = None, k: int = 2, vocab_subset: int = 8192,
                      max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None, text_tokens: int = 0,
-                     progress: bool = True, log=print) -> Path:
-    """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path."""
-    from drafters.falcon.model import default_checkpoint
+                     init: Path | None = None, progress: bool = True, log=print) -> Path:
+    """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path.
+
+    ``init``: start from that checkpoint (its shape, block size k and kept vocabulary) instead of a fresh head, with a
+    fresh optimizer (warm-up, then the schedule); its agreement on this run's validation split is the step-0 entry."""
+    from drafters.adaptive import checkpoint_digest
+    from drafters.falcon.model import check_fits, default_checkpoint
 
     opts = opts or FalconTrainOptions()
     run = prepare_run(cfg, opts.seed, data_path, max_new_tokens, gen_batch, limit, vocab_subset, text_tokens,
                       progress, log)
     target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     out = Path(out) if out else default_checkpoint(target.model_id)
-    model = build_model(target, vocab_ids, k)
-    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}"
+    if init:
+        init = Path(init)
+        model = FalconModel.load(init)
+        check_fits(model.c, target.args, target.model_id, init)
+        vocab_ids, k = model.vocab_ids.clone(), model.c.k
+        model = model.to(target.device).attach(target.embed_weight.float(), target.lm_head_weight.float())
+        log(f"starting from {init} (k = {k}, kept vocabulary {len(vocab_ids)})")
+    else:
+        model = build_model(target, vocab_ids, k)
+    seqs = items + text_items  # the features are keyed by content: another data set of the same size is not them
+    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
+    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
     feat_file = wd / f"features-{tag}.pt"
     data = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
     if data is None or len(data.index) != len(data):  # none yet, or written before sequences kept their item index
@@ -317,7 +332,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
         torch.save(data.__dict__, feat_file)
         log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
-              f"{len(vocab_ids)}-w{opts.w_dist:g}-h")
+              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{checkpoint_digest(init)[:12]}" if init else ""))
     split, groups = hash_split(data, items + text_items, opts)
     log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")
     summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log,
@@ -328,7 +343,8 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
         "data": {"file": run.data_file.name, "sequences": len(items),
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
                  "shipped_text_sequences": len(text_items)},
-        "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"}},
+        "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"},
+                     "init": {"file": init.name, "digest": checkpoint_digest(init)} if init else None},
         "validation": summary["history"][-1] if summary["history"] else {},
         "history": summary["history"],
     }

@@ -85,3 +85,34 @@ def test_falcon_holds_out_the_prompts_glide_holds_out_and_reports_them_by_source
     for name, rows in groups.items():
         sources = {items[data.index[i]]["source"] for i in rows}
         assert sources == ({"text:doc"} if name == "text" else {name})
+
+
+def test_training_continues_from_a_checkpoint(fp32_config, target32, tmp_path):
+    """``init``: the run starts from the checkpoint's weights, k and kept vocabulary (0 steps give it back as it was),
+    then trains on; the card names the checkpoint it started from."""
+    from safetensors.torch import load_file
+
+    from drafters.adaptive import checkpoint_digest
+    from training.falcon import run_train_falcon
+
+    gen = torch.Generator().manual_seed(3)
+    items = [{"prompt_ids": torch.randint(10, 400, (6,), generator=gen).tolist(),
+              "response_ids": torch.randint(10, 400, (20,), generator=gen).tolist(), "source": "chat"}
+             for _ in range(9)]
+    data = tmp_path / "responses.pt"
+    torch.save({"model_id": target32.model_id, "complete": True, "items": items}, data)
+    quiet = dict(data_path=data, progress=False, log=lambda *a: None)
+    opts = dict(batch_tokens=48, warmup=1, val_fraction=0.3, autocast=False, max_len=32)
+    first = run_train_falcon(fp32_config, tmp_path / "a.safetensors", opts=FalconTrainOptions(steps=2, **opts),
+                             k=2, vocab_subset=300, **quiet)
+    same = run_train_falcon(fp32_config, tmp_path / "b.safetensors", opts=FalconTrainOptions(steps=0, **opts),
+                            k=3, vocab_subset=100, init=first, **quiet)
+    a, b = load_file(first), load_file(same)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)  # k and the vocabulary are the file's
+    more = run_train_falcon(fp32_config, tmp_path / "c.safetensors", opts=FalconTrainOptions(steps=2, **opts),
+                            init=first, **quiet)
+    c = load_file(more)
+    assert torch.equal(c["vocab_ids"], a["vocab_ids"]) and not torch.equal(c["fuse"], a["fuse"])
+    card = __import__("json").loads(more.with_suffix(".json").read_text())
+    assert card["training"]["init"] == {"file": "a.safetensors", "digest": checkpoint_digest(first)}
+    assert card["history"][0]["step"] == 0
