@@ -201,11 +201,14 @@ def build_model(target, vocab_ids: torch.Tensor, cross_attention: bool = True, *
 # -- the whole pipeline (``specserve train glide``) ------------------------------------------------------------
 def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_path: Path | None = None,
                     opts: TrainOptions | None = None, vocab_subset: int = 8192, max_new_tokens: int = 256,
-                    gen_batch: int = 32, limit: int | None = None, text_tokens: int = 0, progress: bool = True,
-                    log=print,
-                    **model_overrides) -> Path:
-    """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path."""
-    from drafters.glide.model import default_checkpoint
+                    gen_batch: int = 32, limit: int | None = None, text_tokens: int = 0, init: Path | None = None,
+                    progress: bool = True, log=print, **model_overrides) -> Path:
+    """Data -> teacher pass -> training -> fp16 checkpoint + card. Returns the checkpoint path.
+
+    ``init``: start from that checkpoint (its shape and kept vocabulary; ``model_overrides`` and ``vanilla`` must not
+    be given) with a fresh optimizer; its agreement on this run's validation split is the step-0 entry."""
+    from drafters.adaptive import checkpoint_digest
+    from drafters.glide.model import GlideModel, check_fits, default_checkpoint
     from training.data import temperature_counts
 
     opts = opts or TrainOptions()
@@ -214,7 +217,18 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     name = "vanilla" if vanilla else "glide"
     out = Path(out) if out else default_checkpoint(target.model_id, name)
-    model = build_model(target, vocab_ids, cross_attention=not vanilla, **model_overrides)
+    if init:
+        if model_overrides or vanilla:
+            raise ValueError("--init takes the checkpoint's shape: no shape options or --vanilla with it")
+        init = Path(init)
+        model = GlideModel.load(init)
+        check_fits(model.c, target.args, target.model_id, init)
+        vocab_ids = model.vocab_ids.clone()
+        model = model.to(target.device)
+        model.attach(target.embed_weight.float(), target.lm_head_weight.float())
+        log(f"starting from {init} (kept vocabulary {len(vocab_ids)})")
+    else:
+        model = build_model(target, vocab_ids, cross_attention=not vanilla, **model_overrides)
     # The vanilla drafter ignores the K/V, but shares the teacher file (and so the data) with GLIDE.
     read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
     everything = items + text_items
@@ -232,7 +246,8 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     digest = hashlib.blake2b(json.dumps([teacher_key(everything[rows[r]], opts.max_len) for r in train_rows]
                                         + ["|"] + [teacher_key(everything[rows[r]], opts.max_len) for r in val_rows])
                              .encode(), digest_size=6).hexdigest()
-    recipe = f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
+    recipe = f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}" \
+        + (f"-init{checkpoint_digest(init)[:12]}" if init else "")
     state_file = wd / f"{name}-{recipe}-train-state.pt"
     groups: dict[str, list[int]] = {}
     for j, r in zip(split[1], val_rows):  # by prompt source, shipped text as one: a learning curve reads answers'
@@ -249,8 +264,10 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                  "answers_by_temperature": temperature_counts(items),
                  "shipped_text_sequences": len(text_items),
                  "shipped_text_tokens": sum(len(i["response_ids"]) + 1 for i in text_items)},
-        "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"}},
+        "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"},
+                     "init": {"file": init.name, "digest": checkpoint_digest(init)} if init else None},
         "validation": summary["history"][-1] if summary["history"] else {},
+        "history": summary["history"],
     }
     model.save(out, card)
     log(f"wrote {out} and {out.with_suffix('.json')}")

@@ -3,6 +3,7 @@ checkpoint, checkpoint errors, and a short real training run."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -344,3 +345,36 @@ def test_training_prompts_hold_out_benchmarks():
     for line in bench.read_text().splitlines():
         r = json.loads(line)
         assert json.dumps(r.get("messages") or r.get("prompt")) not in texts
+
+
+def test_glide_training_continues_from_a_checkpoint(fp32_config, target32, tmp_path):
+    """``init``: the run starts from the checkpoint's weights and kept vocabulary (0 steps give it back as it was),
+    then trains on; the card names the checkpoint; shape options cannot go with it."""
+    from safetensors.torch import load_file
+
+    from drafters.adaptive import checkpoint_digest
+    from training.glide import TrainOptions, run_train_glide
+
+    gen = torch.Generator().manual_seed(4)
+    items = [{"prompt_ids": torch.randint(10, 400, (6,), generator=gen).tolist(),
+              "response_ids": torch.randint(10, 400, (20,), generator=gen).tolist(), "source": "chat"}
+             for _ in range(9)]
+    data = tmp_path / "responses.pt"
+    torch.save({"model_id": target32.model_id, "complete": True, "items": items}, data)
+    quiet = dict(data_path=data, progress=False, log=lambda *a: None)
+    opts = dict(batch_tokens=48, warmup=1, val_fraction=0.3, autocast=False, max_len=32)
+    first = run_train_glide(fp32_config, tmp_path / "a.safetensors", opts=TrainOptions(steps=2, **opts),
+                            vocab_subset=300, **quiet)
+    same = run_train_glide(fp32_config, tmp_path / "b.safetensors", opts=TrainOptions(steps=0, **opts),
+                           vocab_subset=100, init=first, **quiet)
+    a, b = load_file(first), load_file(same)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    more = run_train_glide(fp32_config, tmp_path / "c.safetensors", opts=TrainOptions(steps=2, **opts), init=first,
+                           **quiet)
+    c = load_file(more)
+    assert torch.equal(c["vocab_ids"], a["vocab_ids"]) and any(not torch.equal(c[n], a[n]) for n in a)
+    card = json.loads(more.with_suffix(".json").read_text())
+    assert card["training"]["init"] == {"file": "a.safetensors", "digest": checkpoint_digest(first)}
+    with pytest.raises(ValueError, match="--init"):
+        run_train_glide(fp32_config, tmp_path / "d.safetensors", opts=TrainOptions(steps=0, **opts), init=first,
+                        num_layers=2, **quiet)
