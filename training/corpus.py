@@ -191,7 +191,9 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
     merged = answers_path(cfg, model_id)
     if merged.is_file():  # a complete ``train data``: its header, the conversation answers and the card
         data = torch.load(merged, weights_only=True)
-        shards = len(list(adir.glob("answers-*.pt")))
+        # the shards the merged file covers: a later, unfinished ``train data`` may have added more after them
+        shards = sum(1 for p in adir.glob("answers-*.pt")
+                     if _first_index(p) < data.get("records", float("inf")))
         if data.get("complete") and shards:
             head = {k: v for k, v in data.items() if k != "items"} | {"shards": shards}
             text = (json.dumps(head, indent=1) + "\n").encode()
@@ -207,6 +209,11 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
     log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
         f"{counts['answer_shards']} answer shards")
     return counts
+
+
+def _first_index(path: Path) -> float:
+    items = torch.load(path, weights_only=True)["items"]
+    return items[0]["index"] if items else float("inf")
 
 
 def _differs(a: Path, b: Path) -> bool:

@@ -101,3 +101,23 @@ def test_save_refuses_shards_of_other_settings(first, target32, tmp_path):
     plan.write_text(json.dumps({**json.loads(plan.read_text()), "seed": 5}))
     with pytest.raises(ValueError, match="other settings"):
         corpus.save(cfg, target32.model_id, root=root, log=lambda m: None)
+
+
+def test_saved_header_covers_only_the_shards_of_the_merged_file(first, fp32_config, target32, tmp_path):
+    """A merged file of the first prompts (``train data --limit``) next to more shards: the corpus's header names only
+    the shards that file holds, so a restore rebuilds that file and no more."""
+    import shutil
+
+    cfg, _ = first
+    copy = in_cache(fp32_config, tmp_path / "cache")
+    shutil.copytree(answers_path(cfg, target32.model_id).parent, answers_path(copy, target32.model_id).parent)
+    records = prompt_records("synth", synth_dir(copy, target32.model_id) / "train.jsonl")[:3]
+    limited = answer_records(copy, target32, records, answers_path(copy, target32.model_id), ANSWERS, batch=3,
+                             max_shards=0, **QUIET)
+    assert limited["complete"] and len(list(shard_dir(answers_path(copy, target32.model_id)).glob("*.pt"))) > 1
+    root = tmp_path / "corpus"
+    corpus.save(copy, target32.model_id, root=root, log=lambda m: None)
+    assert json.loads((root / target32.model_id / "answers" / "data.json").read_text())["shards"] == 1
+    fresh = in_cache(fp32_config, tmp_path / "fresh")
+    corpus.restore(fresh, target32.model_id, root=root, log=lambda m: None)
+    assert load_responses(answers_path(fresh, target32.model_id))["items"] == limited["items"]
