@@ -157,3 +157,16 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         obs, exp = obs[:-1], exp[:-1]
     exp = exp * (obs.sum() / exp.sum())  # remove float round-off in the totals
     return stats.chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.fixture
+def random_answers(tmp_path, target32):
+    """A complete answers file (``train data``'s format) of 9 random short sequences: data for trainer runs that test
+    the training plumbing, not what a drafter learns."""
+    gen = torch.Generator().manual_seed(3)
+    items = [{"prompt_ids": torch.randint(10, 400, (6,), generator=gen).tolist(),
+              "response_ids": torch.randint(10, 400, (20,), generator=gen).tolist(), "source": "chat"}
+             for _ in range(9)]
+    path = tmp_path / "responses.pt"
+    torch.save({"model_id": target32.model_id, "complete": True, "items": items}, path)
+    return path

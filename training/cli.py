@@ -26,8 +26,6 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                         max_len=a.max_len, seed=a.seed, train_tokens=a.train_tokens, source_weights=tuple(weights))
     overrides = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                              "intermediate_size") if getattr(a, k) is not None}
-    if a.init and (overrides or a.vanilla):
-        raise ConfigError("--init takes the checkpoint's shape: no shape options or --vanilla with it")
     run_train_glide(config_from_args(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
                     limit=a.limit, text_tokens=a.text_tokens, init=a.init, log=log_stderr, **overrides)

@@ -153,6 +153,21 @@ def save_state(state_path: Path | None, model, optim, step: int, history: list, 
     tmp.replace(state_path)
 
 
+def start_from(load, check_fits, path: Path, target, log=print) -> tuple[Any, dict]:
+    """A drafter checkpoint to continue training (``--init``): loaded with ``load``, checked against the target with
+    ``check_fits``, on the target's device and attached to its embedding and LM head; with the card entry naming it
+    (file and digest), which the run's recipe key and card carry."""
+    from drafters.adaptive import checkpoint_digest
+
+    path = Path(path)
+    model = load(path)
+    check_fits(model.c, target.args, target.model_id, path)
+    model = model.to(target.device)
+    model.attach(target.embed_weight.float(), target.lm_head_weight.float())
+    log(f"starting from {path} (kept vocabulary {len(model.vocab_ids)})")
+    return model, {"file": path.name, "digest": checkpoint_digest(path)}
+
+
 # -- a run's set-up -----------------------------------------------------------------------------------------------
 @dataclass
 class TrainingRun:

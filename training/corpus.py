@@ -12,9 +12,10 @@ directory (``<cache>/train/<target id>/``, training/common.py):
 
 ``restore`` copies what the work directory lacks out of the corpus before a run (a shard is then reused only when its
 key still matches, as any cached shard) and, where the corpus holds a complete answers set, writes the merged answers
-file the trainers read (whatever dtype the trainer's own target runs in); ``save`` (``specserve train save-data``) writes the work directory's shards
-the corpus lacks or holds in another version back into it, to be committed. The shard formats, keys and resumption are
-the pipeline's own (training/synth.py, training/data.py): this module only moves files and packs answers.
+file the trainers read (whatever dtype the trainer's own target runs in); ``save`` (``specserve train save-data``)
+writes the work directory's shards the corpus lacks or holds in another version back into it, to be committed. The
+shard formats, keys and resumption are the pipeline's own (training/synth.py, training/data.py): this module only
+moves files and packs answers.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from training.common import answers_path, synth_dir
-from training.data import shard_dir
+from training.data import _save_atomic, shard_dir
 
 CORPUS_ROOT = Path(__file__).resolve().parent / "corpus"
 FINISH = ("stop", "length", "refused")  # finish_reason codes of packed answers
@@ -86,6 +87,13 @@ def _load_packed(path: Path) -> dict:
         return unpack_answers(arrays)
 
 
+def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, **arrays)
+    tmp.replace(path)
+
+
 def _write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -119,11 +127,8 @@ def restore(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str
     for packed in sorted((src / "answers").glob("answers-*.npz")):
         dst = adir / (packed.stem + ".pt")
         if not dst.exists():
-            shard = _load_packed(packed)
             adir.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".tmp")
-            torch.save(shard, tmp)
-            tmp.replace(dst)
+            _save_atomic(_load_packed(packed), dst)
             counts["answer_shards"] += 1
     adata = src / "answers" / "data.json"
     out = answers_path(cfg, model_id)
@@ -135,9 +140,7 @@ def restore(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str
                      if it["finish_reason"] != "refused" and it["response_ids"]]
             if (src / "answers" / "conversations.npz").is_file():
                 items += _load_packed(src / "answers" / "conversations.npz")["items"]
-            tmp = out.with_name(out.name + ".tmp")
-            torch.save({**head, "items": items}, tmp)
-            tmp.replace(out)
+            _save_atomic({**head, "items": items}, out)
             if (src / "answers" / "card.json").is_file():
                 _write_bytes(out.with_suffix(".card.json"), (src / "answers" / "card.json").read_bytes())
             counts["answers_file"] = 1
@@ -161,8 +164,7 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
             raise ValueError(f"{dst / 'synth'} holds prompt shards made with other settings than {sdir}: move one "
                              "of them aside first")
         for name in _SYNTH_PLAIN:
-            if (sdir / name).is_file() and _differs(sdir / name, dst / "synth" / name):
-                _write_bytes(dst / "synth" / name, (sdir / name).read_bytes())
+            if (sdir / name).is_file() and _write_if_changed(dst / "synth" / name, (sdir / name).read_bytes()):
                 counts["synth_files"] += 1
         for name in _SYNTH_PACKED:
             packed = dst / "synth" / (name + ".xz")
@@ -176,45 +178,40 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
                 _write_bytes(packed, lzma.compress(raw.read_bytes(), preset=9))
                 counts["synth_shards"] += 1
     adir = shard_dir(answers_path(cfg, model_id))
+    first_index = []  # of each shard's first item: which shards a merged file of the first N prompts covers
     for path in sorted(adir.glob("answers-*.pt")):
         shard = torch.load(path, weights_only=True)
+        first_index.append(shard["items"][0]["index"] if shard["items"] else float("inf"))
         out = dst / "answers" / (path.stem + ".npz")
         if out.exists():
             with np.load(out) as old:
                 if bytes(old["key"]).decode() == shard["key"]:
                     continue
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.stem + ".tmp.npz")
-        np.savez_compressed(tmp, **pack_answers(shard))
-        tmp.replace(out)
+        _save_npz(out, pack_answers(shard))
         counts["answer_shards"] += 1
     merged = answers_path(cfg, model_id)
     if merged.is_file():  # a complete ``train data``: its header, the conversation answers and the card
         data = torch.load(merged, weights_only=True)
         # the shards the merged file covers: a later, unfinished ``train data`` may have added more after them
-        shards = sum(1 for p in adir.glob("answers-*.pt")
-                     if _first_index(p) < data.get("records", float("inf")))
+        shards = sum(1 for i in first_index if i < data.get("records", float("inf")))
         if data.get("complete") and shards:
             head = {k: v for k, v in data.items() if k != "items"} | {"shards": shards}
-            text = (json.dumps(head, indent=1) + "\n").encode()
-            if not (dst / "answers" / "data.json").is_file() or (dst / "answers" / "data.json").read_bytes() != text:
-                _write_bytes(dst / "answers" / "data.json", text)
+            _write_if_changed(dst / "answers" / "data.json", (json.dumps(head, indent=1) + "\n").encode())
             conv = {"key": "conversations", "items": [it for it in data["items"] if "turn" in it], "seconds": 0.0}
             path = dst / "answers" / "conversations.npz"
             if not path.is_file() or _load_packed(path) != conv:
-                np.savez_compressed(path, **pack_answers(conv))
+                _save_npz(path, pack_answers(conv))
             card = merged.with_suffix(".card.json")
             if card.is_file():
-                _write_bytes(dst / "answers" / "card.json", card.read_bytes())
+                _write_if_changed(dst / "answers" / "card.json", card.read_bytes())
     log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
         f"{counts['answer_shards']} answer shards")
     return counts
 
 
-def _first_index(path: Path) -> float:
-    items = torch.load(path, weights_only=True)["items"]
-    return items[0]["index"] if items else float("inf")
-
-
-def _differs(a: Path, b: Path) -> bool:
-    return not b.exists() or a.read_bytes() != b.read_bytes()
+def _write_if_changed(path: Path, data: bytes) -> bool:
+    """Write ``data`` unless ``path`` holds it already (a save rewrites nothing it need not); True when written."""
+    if path.is_file() and path.read_bytes() == data:
+        return False
+    _write_bytes(path, data)
+    return True

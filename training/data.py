@@ -197,8 +197,8 @@ def _shard_key(model_id: str, dtype, quantization: str, s: AnswerSettings, recor
     """What a shard's answers depend on: the target (weights, dtype, quantization), the settings, and its prompts (ids
     and labels)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps([model_id, str(dtype), quantization, s.max_new_tokens, list(s.temperatures), s.sampled_share, s.seed,
-                         indices.start, indices.stop]).encode())
+    h.update(json.dumps([model_id, str(dtype), quantization, s.max_new_tokens, list(s.temperatures), s.sampled_share,
+                         s.seed, indices.start, indices.stop]).encode())
     for i in indices:
         h.update(json.dumps([prompts[i], records[i].get("source"), records[i].get("category")]).encode())
     return h.hexdigest()

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
 from training.common import (TrainerOptions, held_out, lr_at, make_optimizer, prepare_run, resume, save_state,
-                             seeded_split, source_group)
+                             seeded_split, source_group, start_from)
 from training.teacher import teacher_pass
 
 
@@ -304,7 +304,6 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
 
     ``init``: start from that checkpoint (its shape, block size k and kept vocabulary) instead of a fresh head, with a
     fresh optimizer (warm-up, then the schedule); its agreement on this run's validation split is the step-0 entry."""
-    from drafters.adaptive import checkpoint_digest
     from drafters.falcon.model import check_fits, default_checkpoint
 
     opts = opts or FalconTrainOptions()
@@ -312,13 +311,10 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
                       progress, log)
     target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     out = Path(out) if out else default_checkpoint(target.model_id)
+    started = None
     if init:
-        init = Path(init)
-        model = FalconModel.load(init)
-        check_fits(model.c, target.args, target.model_id, init)
+        model, started = start_from(FalconModel.load, check_fits, init, target, log)
         vocab_ids, k = model.vocab_ids.clone(), model.c.k
-        model = model.to(target.device).attach(target.embed_weight.float(), target.lm_head_weight.float())
-        log(f"starting from {init} (k = {k}, kept vocabulary {len(vocab_ids)})")
     else:
         model = build_model(target, vocab_ids, k)
     seqs = items + text_items  # the features are keyed by content: another data set of the same size is not them
@@ -332,7 +328,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
         torch.save(data.__dict__, feat_file)
         log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
-              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{checkpoint_digest(init)[:12]}" if init else ""))
+              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{started['digest'][:12]}" if started else ""))
     split, groups = hash_split(data, items + text_items, opts)
     log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")
     summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log,
@@ -344,7 +340,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
                  "answer_tokens": sum(len(i["response_ids"]) for i in items),
                  "shipped_text_sequences": len(text_items)},
         "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"},
-                     "init": {"file": init.name, "digest": checkpoint_digest(init)} if init else None},
+                     "init": started},
         "validation": summary["history"][-1] if summary["history"] else {},
         "history": summary["history"],
     }

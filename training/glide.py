@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
 from training.common import (TrainerOptions, data_sources, held_out, is_shipped_text, lr_at, make_optimizer,
-                             prepare_run, resume, save_state, seeded_split, source_group)
+                             prepare_run, resume, save_state, seeded_split, source_group, start_from)
 from training.teacher import TeacherData, cached_teacher, teacher_key, usable
 
 
@@ -207,26 +207,21 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
 
     ``init``: start from that checkpoint (its shape and kept vocabulary; ``model_overrides`` and ``vanilla`` must not
     be given) with a fresh optimizer; its agreement on this run's validation split is the step-0 entry."""
-    from drafters.adaptive import checkpoint_digest
     from drafters.glide.model import GlideModel, check_fits, default_checkpoint
     from training.data import temperature_counts
 
+    if init and (model_overrides or vanilla):  # before any data or model is loaded: an argument error
+        raise ValueError("--init takes the checkpoint's shape: no shape options or --vanilla with it")
     opts = opts or TrainOptions()
     run = prepare_run(cfg, opts.seed, data_path, max_new_tokens, gen_batch, limit, vocab_subset, text_tokens,
                       progress, log)
     target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
     name = "vanilla" if vanilla else "glide"
     out = Path(out) if out else default_checkpoint(target.model_id, name)
+    started = None
     if init:
-        if model_overrides or vanilla:
-            raise ValueError("--init takes the checkpoint's shape: no shape options or --vanilla with it")
-        init = Path(init)
-        model = GlideModel.load(init)
-        check_fits(model.c, target.args, target.model_id, init)
+        model, started = start_from(GlideModel.load, check_fits, init, target, log)
         vocab_ids = model.vocab_ids.clone()
-        model = model.to(target.device)
-        model.attach(target.embed_weight.float(), target.lm_head_weight.float())
-        log(f"starting from {init} (kept vocabulary {len(vocab_ids)})")
     else:
         model = build_model(target, vocab_ids, cross_attention=not vanilla, **model_overrides)
     # The vanilla drafter ignores the K/V, but shares the teacher file (and so the data) with GLIDE.
@@ -246,8 +241,8 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     digest = hashlib.blake2b(json.dumps([teacher_key(everything[rows[r]], opts.max_len) for r in train_rows]
                                         + ["|"] + [teacher_key(everything[rows[r]], opts.max_len) for r in val_rows])
                              .encode(), digest_size=6).hexdigest()
-    recipe = f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}" \
-        + (f"-init{checkpoint_digest(init)[:12]}" if init else "")
+    recipe = (f"{layers}-{digest}-{opts.loss}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-{len(vocab_ids)}"
+              + (f"-init{started['digest'][:12]}" if started else ""))
     state_file = wd / f"{name}-{recipe}-train-state.pt"
     groups: dict[str, list[int]] = {}
     for j, r in zip(split[1], val_rows):  # by prompt source, shipped text as one: a learning curve reads answers'
@@ -265,7 +260,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
                  "shipped_text_sequences": len(text_items),
                  "shipped_text_tokens": sum(len(i["response_ids"]) + 1 for i in text_items)},
         "training": {**opts.__dict__, **{k: v for k, v in summary.items() if k != "history"},
-                     "init": {"file": init.name, "digest": checkpoint_digest(init)} if init else None},
+                     "init": started},
         "validation": summary["history"][-1] if summary["history"] else {},
         "history": summary["history"],
     }

@@ -347,7 +347,7 @@ def test_training_prompts_hold_out_benchmarks():
         assert json.dumps(r.get("messages") or r.get("prompt")) not in texts
 
 
-def test_glide_training_continues_from_a_checkpoint(fp32_config, target32, tmp_path):
+def test_glide_training_continues_from_a_checkpoint(fp32_config, random_answers, tmp_path):
     """``init``: the run starts from the checkpoint's weights and kept vocabulary (0 steps give it back as it was),
     then trains on; the card names the checkpoint; shape options cannot go with it."""
     from safetensors.torch import load_file
@@ -355,13 +355,7 @@ def test_glide_training_continues_from_a_checkpoint(fp32_config, target32, tmp_p
     from drafters.adaptive import checkpoint_digest
     from training.glide import TrainOptions, run_train_glide
 
-    gen = torch.Generator().manual_seed(4)
-    items = [{"prompt_ids": torch.randint(10, 400, (6,), generator=gen).tolist(),
-              "response_ids": torch.randint(10, 400, (20,), generator=gen).tolist(), "source": "chat"}
-             for _ in range(9)]
-    data = tmp_path / "responses.pt"
-    torch.save({"model_id": target32.model_id, "complete": True, "items": items}, data)
-    quiet = dict(data_path=data, progress=False, log=lambda *a: None)
+    quiet = dict(data_path=random_answers, progress=False, log=lambda *a: None)
     opts = dict(batch_tokens=48, warmup=1, val_fraction=0.3, autocast=False, max_len=32)
     first = run_train_glide(fp32_config, tmp_path / "a.safetensors", opts=TrainOptions(steps=2, **opts),
                             vocab_subset=300, **quiet)

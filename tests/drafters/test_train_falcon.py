@@ -87,7 +87,7 @@ def test_falcon_holds_out_the_prompts_glide_holds_out_and_reports_them_by_source
         assert sources == ({"text:doc"} if name == "text" else {name})
 
 
-def test_training_continues_from_a_checkpoint(fp32_config, target32, tmp_path):
+def test_training_continues_from_a_checkpoint(fp32_config, random_answers, tmp_path):
     """``init``: the run starts from the checkpoint's weights, k and kept vocabulary (0 steps give it back as it was),
     then trains on; the card names the checkpoint it started from."""
     from safetensors.torch import load_file
@@ -95,13 +95,7 @@ def test_training_continues_from_a_checkpoint(fp32_config, target32, tmp_path):
     from drafters.adaptive import checkpoint_digest
     from training.falcon import run_train_falcon
 
-    gen = torch.Generator().manual_seed(3)
-    items = [{"prompt_ids": torch.randint(10, 400, (6,), generator=gen).tolist(),
-              "response_ids": torch.randint(10, 400, (20,), generator=gen).tolist(), "source": "chat"}
-             for _ in range(9)]
-    data = tmp_path / "responses.pt"
-    torch.save({"model_id": target32.model_id, "complete": True, "items": items}, data)
-    quiet = dict(data_path=data, progress=False, log=lambda *a: None)
+    quiet = dict(data_path=random_answers, progress=False, log=lambda *a: None)
     opts = dict(batch_tokens=48, warmup=1, val_fraction=0.3, autocast=False, max_len=32)
     first = run_train_falcon(fp32_config, tmp_path / "a.safetensors", opts=FalconTrainOptions(steps=2, **opts),
                              k=2, vocab_subset=300, **quiet)
