@@ -10,6 +10,7 @@ A deployment's YAML (see `deploy/configs/`) looks like:
     cache:
       num_slots: 4              # sequences that can hold KV at once
       max_seq_len: 2048         # context length per slot (prompt + generated)
+      prefix_caching: true      # reuse cached KV rows for prompts that share a prefix (the default)
     drafter:
       name: ngram               # see `drafters.registry`
       ngram: {max_ngram: 3, num_tokens: 6}   # options for the drafter of that name
@@ -46,6 +47,7 @@ class ModelConfig:
 class CacheConfig:
     num_slots: int | None = None  # KV slots = the most sequences running at once; null: sized from free memory
     max_seq_len: int = 2048
+    prefix_caching: bool = True  # keep finished sequences' KV rows and reuse them for prompts that share a prefix
 
 
 @dataclass(frozen=True)

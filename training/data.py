@@ -113,7 +113,7 @@ class BatchedGenerator:
 
         while True:
             done_before = len(results)
-            while self.engine.pool.slots_used < self.engine.pool.num_slots:
+            while self.engine.slots_available:
                 if not ready:
                     nxt = None if exhausted else next(pending, None)
                     if nxt is None:

@@ -26,8 +26,9 @@ from server.config import EngineConfig
 from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention)
-from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
+from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
 from server.engine.model import CpuRows, RowGroup, Segment
+from server.engine.prefix_cache import Hit, PrefixCache
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
 from server.engine.step import SeqStep, StepPlan, StepResult
 from server.engine.target import Target, load_target
@@ -49,11 +50,18 @@ class Engine:
         # the quantized CPU target in float32: every row through the row-invariant C++ attention
         self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
         self._ids = itertools.count()
+        self.prefix = PrefixCache(cfg.cache.prefix_caching)
+        self._running: dict[int, Sequence] = {}  # slot -> the sequence running in it
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_new_tokens: int = 16,
-            stop_token_ids: tuple[int, ...] | list[int] | None = None, seq_id: int | None = None) -> Sequence:
-        """Validate a request and give it a KV slot (raises NoFreeSlotError when every slot is taken)."""
+            stop_token_ids: tuple[int, ...] | list[int] | None = None, seq_id: int | None = None,
+            namespace: str | None = None) -> Sequence:
+        """Validate a request and give it a KV slot (raises NoFreeSlotError when every slot runs a sequence).
+
+        With a cached prefix (``prefix_hit``) the slot starts with those rows: an idle slot that holds them is adopted
+        as it is, else they are copied from their slot; only the rest of the prompt is prefilled. ``namespace`` is the
+        prefix cache's partition (None: the default one; with ``cache.prefix_caching`` off, None looks nothing up)."""
         if not prompt_ids:
             raise RequestError("prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.max_seq_len:
@@ -65,17 +73,87 @@ class Engine:
         if max_new_tokens < 1:
             raise RequestError("max_new_tokens must be >= 1")
         sampling = sampling or SamplingParams()
-        slot = self.pool.allocate()
+        ns = "" if namespace is None else namespace
+        hit = self.prefix_hit(prompt_ids, ns) if namespace is not None or self.prefix.enabled else Hit(None, 0)
+        slot = self._take_slot(hit)
+        if hit.length and slot != hit.slot:
+            self._copy_rows(hit.slot, slot, hit.length)
+        self.pool.set_length(slot, hit.length)
+        self.prefix.count(len(prompt_ids), hit.length)
+        self.prefix.hold(ns, prompt_ids, slot)
         gen = request_generator(sampling, self.device)
-        return Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
-                        prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
-                        max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
-                        generator=gen)
+        seq = Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
+                       prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
+                       max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
+                       generator=gen, cache_len=hit.length, cached_tokens=hit.length, namespace=ns)
+        self._running[slot] = seq
+        return seq
 
-    def release(self, seq: Sequence) -> None:
-        """Free the sequence's KV slot and the drafter's state (finish or abort)."""
+    def prefix_hit(self, prompt_ids: list[int], namespace: str = "") -> Hit:
+        """The longest prefix of the prompt (at most all but its last token) whose KV rows a slot holds now, and
+        what a running sequence's prefill will hold once its prompt is cached (``Hit.pending``)."""
+        return self.prefix.lookup(namespace, prompt_ids, self._usable)
+
+    def _usable(self, slot: int) -> int:
+        seq = self._running.get(slot)
+        return self.prefix.index.length(slot) if seq is None else min(seq.cache_len, seq.prompt_len)
+
+    def _take_slot(self, hit: Hit) -> int:
+        """A slot for a new sequence: the hit's idle slot itself when the sequence keeps all of its rows, else a free
+        slot, else the least recently used idle one other than the source, else the idle source itself."""
+        src = hit.slot if hit.length else None
+        idle_src = src is not None and src in self.prefix.idle
+        if idle_src and hit.length == self.prefix.index.length(src):
+            self.prefix.drop(src)
+            return src
+        if src is not None:
+            self.prefix.touch(src)
+        if self.pool.free_slots:
+            return self.pool.allocate()
+        slot = self.prefix.evict(keep=src)
+        if slot is not None:
+            return slot
+        if idle_src:
+            self.prefix.drop(src)
+            return src
+        raise NoFreeSlotError(f"all {self.pool.num_slots} KV-cache slots are in use")
+
+    def _copy_rows(self, src: int, dst: int, n: int) -> None:
+        """The first ``n`` cached rows of slot ``src`` (K/V of every layer, hidden states) into slot ``dst``."""
+        p = self.pool
+        p.k[:, dst, :, :n].copy_(p.k[:, src, :, :n])
+        p.v[:, dst, :, :n].copy_(p.v[:, src, :, :n])
+        p.hidden[dst, :n].copy_(p.hidden[src, :n])
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """The sequence is done (finished or aborted): free the drafter's state, and leave its committed rows in the
+        prefix cache (prompt and generated tokens that have KV: never rejected draft rows or tokens past a stop), or
+        free its slot (``cache`` False, caching off, or nothing committed)."""
         self.drafter.release(seq.seq_id)
-        self.pool.free(seq.slot)
+        if self._running.get(seq.slot) is not seq:
+            return  # released before
+        del self._running[seq.slot]
+        committed = min(seq.cache_len, len(seq.token_ids))
+        if cache and self.prefix.park(seq.namespace, seq.token_ids[:committed], seq.slot):
+            self.pool.set_length(seq.slot, committed)
+        else:
+            self.prefix.drop(seq.slot)
+            self.pool.free(seq.slot)
+
+    @property
+    def slots_running(self) -> int:
+        """Slots held by running sequences (idle prefix-cache slots are free to take)."""
+        return len(self._running)
+
+    @property
+    def slots_available(self) -> int:
+        return self.pool.num_slots - len(self._running)
+
+    def kv_usage(self) -> tuple[float, float]:
+        """(running sequences', idle cached slots') share of the pool's token capacity."""
+        cap = self.pool.num_slots * self.pool.max_seq_len
+        cached = sum(self.prefix.index.length(s) for s in self.prefix.idle)
+        return sum(s.cache_len for s in self._running.values()) / cap, cached / cap
 
     def view(self, seq: Sequence) -> SeqView:
         return SeqView(seq, self.pool, self.target)

@@ -71,6 +71,10 @@ class KVCachePool:
         self._lengths[slot] = n
 
     @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
     def slots_used(self) -> int:
         return self.num_slots - len(self._free)
 

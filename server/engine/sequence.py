@@ -49,6 +49,8 @@ class Sequence:
     cache_len: int = 0
     finish_reason: str | None = None
     max_rows: int = MAX_TREE_ROWS  # the row budget of the tree being drafted (root included)
+    cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
+    namespace: str = ""            # the prefix cache's partition its rows are indexed under
     stats: SeqStats = field(default_factory=SeqStats)
 
     @property

@@ -77,7 +77,7 @@ def step_curve(engine: "Engine", rows: tuple[int, ...], cached: int = 300, repea
             out[k] = 1000 * statistics.median(times)
         return out
     finally:
-        engine.release(seq)
+        engine.release(seq, cache=False)
 
 
 def step_costs(engine, max_rows: int, cache_dir: Path | None) -> dict[int, float]:

@@ -19,6 +19,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = []
+    # The prefix-cache partition (API key and cache_salt): a request reuses only KV rows cached under the same
+    # namespace. None: the engine's default partition (the API process always sends one).
+    namespace: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -91,7 +94,12 @@ class Status(msgspec.Struct, tag="status", frozen=True):
 
     running: int
     waiting: int
-    kv_usage: float
+    kv_usage: float             # fraction of the KV token capacity held by running sequences
+    kv_cached_usage: float = 0.0  # fraction held by idle prefix-cache slots (evictable at any time)
+    # prefix cache, cumulative since start: prompt tokens looked up, of them found cached, slots evicted
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    prefix_evictions: int = 0
 
 
 class Step(msgspec.Struct, tag="step", frozen=True):

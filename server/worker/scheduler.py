@@ -7,6 +7,11 @@ prompt is cached, and prompt chunks of the admitted ones, filling the per-step t
 prefilled over several steps while the other streams keep receiving tokens; its first token streams when its last
 chunk is done. Messages are read between two iterations, so an abort frees its slot within one step. ``busy_s()``
 tells the worker's reader thread (health probes) how long the current engine call has run.
+
+Prefix caching: admission starts a sequence with the longest prefix of its prompt whose KV rows a slot holds
+(``Engine.add``). A request whose prompt shares a longer prefix with a running sequence that is still prefilling it
+waits (at most PREFIX_WAIT_S) until those rows are cached and then copies them, so requests that arrive together
+with a shared uncached prefix (a common system prompt, the ``n`` choices of one request) prefill it once.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from server.worker.budget import DraftBudget
 
 log = logging.getLogger("specserve.worker")
 
+PREFIX_WAIT_ROWS = 32  # a request waits for a running prefill only when that gains at least this many cached rows
+PREFIX_WAIT_S = 30.0   # and never longer than this (the source's prefill normally ends well before)
+
 
 class Scheduler:
     def __init__(self, engine: Engine, send: Callable[[m.FromWorker], None], max_waiting: int,
@@ -34,6 +42,7 @@ class Scheduler:
         self.stopping = False
         self._last_status: tuple | None = None
         self._busy_since: float | None = None  # monotonic start of the engine call in progress
+        self._held: dict[str, float] = {}  # request id -> when it began waiting for another's prefill
 
     def busy_s(self) -> float:
         """Seconds the engine call in progress (a prefill or a step) has run; 0 between two. Safe from any thread."""
@@ -41,7 +50,7 @@ class Scheduler:
         return 0.0 if since is None else time.monotonic() - since
 
     def _usage(self, seq: Sequence) -> dict:
-        return {"drafter": self.engine.drafter.name, **seq.stats.as_dict()}
+        return {"drafter": self.engine.drafter.name, **seq.stats.as_dict(), "cached_tokens": seq.cached_tokens}
 
     @property
     def idle(self) -> bool:
@@ -52,12 +61,13 @@ class Scheduler:
         if isinstance(msg, m.Generate):
             if msg.request_id in self.waiting or msg.request_id in self.running:
                 self.send(m.Failed(msg.request_id, "duplicate request id"))
-            elif len(self.waiting) >= self.max_waiting + max(0, self.engine.pool.num_slots - len(self.running)):
+            elif len(self.waiting) >= self.max_waiting + max(0, self.engine.slots_available):
                 self.send(m.Failed(msg.request_id, "the waiting queue is full", kind="overloaded"))
             else:
                 self.waiting[msg.request_id] = msg
         elif isinstance(msg, m.Abort):
             req = self.waiting.pop(msg.request_id, None)
+            self._held.pop(msg.request_id, None)
             seq = self.running.pop(msg.request_id, None)
             if seq is not None:
                 self.engine.release(seq)
@@ -69,17 +79,36 @@ class Scheduler:
             self.stopping = True
 
     def admit(self) -> None:
-        """Give waiting requests free KV slots; their prompts are prefilled by the following steps."""
-        pool = self.engine.pool
-        while self.waiting and pool.slots_used < pool.num_slots:
-            rid, req = self.waiting.popitem(last=False)
+        """Give waiting requests KV slots, in arrival order; their prompts are prefilled by the following steps. A
+        request that would copy a longer prefix once a running prefill has cached it waits for that (bounded)."""
+        engine = self.engine
+        for rid in list(self.waiting):
+            if not engine.slots_available:
+                break
+            req = self.waiting[rid]
+            if self._wait_for_prefill(rid, req):
+                continue
+            del self.waiting[rid]
+            self._held.pop(rid, None)
             try:
                 sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-                seq = self.engine.add(req.prompt_ids, sp, req.max_tokens, req.stop_token_ids)
+                seq = engine.add(req.prompt_ids, sp, req.max_tokens, req.stop_token_ids, namespace=req.namespace)
             except (RequestError, ValueError) as e:
                 self.send(m.Failed(rid, str(e)))
                 continue
             self.running[rid] = seq
+
+    def _wait_for_prefill(self, rid: str, req: m.Generate) -> bool:
+        """Whether the request should wait: a running sequence is prefilling a prefix of its prompt at least
+        PREFIX_WAIT_ROWS longer than what is cached now, and it has not waited PREFIX_WAIT_S yet."""
+        if not req.prompt_ids or len(req.prompt_ids) >= self.engine.max_seq_len:
+            return False  # admission reports the error
+        hit = self.engine.prefix_hit(req.prompt_ids, req.namespace or "") \
+            if req.namespace is not None or self.engine.prefix.enabled else None
+        if hit is None or hit.pending - hit.length < PREFIX_WAIT_ROWS:
+            return False
+        since = self._held.setdefault(rid, time.monotonic())
+        return time.monotonic() - since < PREFIX_WAIT_S
 
     def tick(self) -> None:
         """Admit, then one batched step: every decoding sequence steps, prompt chunks fill the rest of the budget."""
@@ -104,7 +133,7 @@ class Scheduler:
             log.exception("a step of %d requests failed in the engine", len(batch))
             for rid, seq in batch.items():
                 self.running.pop(rid, None)
-                self.engine.release(seq)
+                self.engine.release(seq, cache=False)  # its rows may be half written
                 self.send(m.Failed(rid, f"engine error: {type(e).__name__}: {e}", kind="server_error"))
             return
         finally:
@@ -138,7 +167,10 @@ class Scheduler:
 
     def status(self) -> None:
         """Send the gauges when they changed."""
-        now = (len(self.running), len(self.waiting), round(self.engine.pool.usage(), 4))
+        running, cached = self.engine.kv_usage()
+        p = self.engine.prefix
+        now = (len(self.running), len(self.waiting), round(running, 4), round(cached, 4), p.queries, p.hits,
+               p.evictions)
         if now != self._last_status:
             self._last_status = now
             self.send(m.Status(*now))
