@@ -120,26 +120,74 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(cfg, host, port, api_key, drain_timeout=a.drain_timeout)
 
 
+# `bench serve` options that belong to one workload: flag -> (attribute, workload, default)
+_WORKLOAD_OPTIONS = {"--conversations": ("conversations", "multi-turn", 4), "--turns": ("turns", "multi-turn", 6),
+                     "--history-tokens": ("history_tokens", "multi-turn", 1800),
+                     "--groups": ("groups", "shared-prefix", 8), "--questions": ("questions", "shared-prefix", 8),
+                     "--prefix-tokens": ("prefix_tokens", "shared-prefix", 1024)}
+
+
+def _bench_serve_workload_args(a: argparse.Namespace) -> dict:
+    """The chosen workload's options, defaults filled in and checked; an option of another workload is an error."""
+    opts = {}
+    for flag, (attr, workload, default) in _WORKLOAD_OPTIONS.items():
+        value = getattr(a, attr)
+        if workload != a.workload:
+            if value is not None:
+                raise ValueError(f"{flag} applies to --workload {workload}")
+            continue
+        opts[attr] = default if value is None else value
+        if opts[attr] < (2 if attr == "turns" else 1):
+            raise ValueError(f"{flag} must be at least {2 if attr == 'turns' else 1}")
+    if a.workload != "prompts":
+        for flag, given in (("--num-requests", a.num_requests is not None), ("--plot", a.plot)):
+            if given:
+                raise ValueError(f"{flag} applies to --workload prompts")
+    return opts
+
+
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     from server.bench.serve import (format_serve_report, parse_levels, plot_serve_report, require_matplotlib,
                                     run_serve_bench)
 
-    levels = parse_levels(a.concurrency)
+    opts = _bench_serve_workload_args(a)
+    if a.workload == "multi-turn" and a.concurrency is not None:
+        raise ValueError("--concurrency: multi-turn runs its --conversations all at once")
+    levels = parse_levels(a.concurrency or "1")
+    if a.workload == "shared-prefix" and len(levels) != 1:
+        raise ValueError("--concurrency: shared-prefix runs at one level")
+    if a.workload == "prompts" and a.prompts is None:
+        raise ValueError("--prompts is required with --workload prompts")
     if a.num_requests is not None and a.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
     if a.plot:
         require_matplotlib()  # before the sweep, not after minutes of it
     api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
     try:
-        rep = run_serve_bench(a.url, api_key, a.prompts, levels, a.num_requests, a.max_tokens, a.warmup,
-                              log=log_stderr)
+        if a.workload == "prompts":
+            rep = run_serve_bench(a.url, api_key, a.prompts, levels, a.num_requests, a.max_tokens, a.warmup,
+                                  log=log_stderr)
+            text = format_serve_report(rep)
+        else:
+            from server.bench import prefix
+
+            prompts = a.prompts or prefix.DEFAULT_QUESTIONS
+            if a.workload == "multi-turn":
+                rep = prefix.run_multi_turn_bench(a.url, api_key, prompts, max_tokens=a.max_tokens, warmup=a.warmup,
+                                                  log=log_stderr, **opts)
+                text = prefix.format_multi_turn_report(rep)
+            else:
+                rep = prefix.run_shared_prefix_bench(a.url, api_key, prompts, concurrency=levels[0],
+                                                     max_tokens=a.max_tokens, warmup=a.warmup, log=log_stderr, **opts)
+                text = prefix.format_shared_prefix_report(rep)
     except ConnectionError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
-    emit(format_serve_report(rep), rep, a.json)
+    emit(text, rep, a.json)
     if a.plot:
         plot_serve_report(rep, a.plot)
     return 0 if rep["errors"] == 0 else 1
+
 
 def add_commands(sub) -> None:
     """generate, serve and bench, on the subparsers of the `specserve` parser."""
@@ -195,15 +243,32 @@ def add_commands(sub) -> None:
     bs = bsub.add_parser("serve", help="drive a running server through the OpenAI streaming API")
     bs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     bs.add_argument("--api-key", default=None, help="bearer key (also $SPECSERVE_API_KEY)")
-    bs.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
-    bs.add_argument("--concurrency", default="1", metavar="N[,N...]",
-                    help="requests in flight; a comma-separated list (e.g. 1,4,16,64) runs a sweep, one level after "
-                    "another against the same server")
+    bs.add_argument("--workload", choices=["prompts", "multi-turn", "shared-prefix"], default="prompts",
+                    help="prompts: the prompts file at each --concurrency (default); multi-turn, shared-prefix: "
+                    "prefix caching, each request sent with the cache on and off (docs/benchmarks.md)")
+    bs.add_argument("--prompts", default=None, help="JSONL: one {messages} or {prompt} per line (required for "
+                    "prompts; the questions of multi-turn and shared-prefix, default deploy/prompts/bench.jsonl)")
+    bs.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                    help="requests in flight (default 1); a comma-separated list (e.g. 1,4,16,64) runs a sweep, one "
+                    "level after another against the same server (prompts only; shared-prefix takes one level, "
+                    "multi-turn runs --conversations at once)")
     bs.add_argument("--num-requests", type=int, default=None,
                     help="requests per level (default: max(2 * concurrency, 8) for each level)")
     bs.add_argument("--max-tokens", type=int, default=64)
     bs.add_argument("--warmup", type=int, default=1, metavar="N",
                     help="untimed requests of --max-tokens before the first level (default 1; 0: none)")
+    bs.add_argument("--conversations", type=int, default=None, metavar="C",
+                    help="multi-turn: conversations, all in flight at once (default 4)")
+    bs.add_argument("--turns", type=int, default=None, metavar="T", help="multi-turn: turns per conversation "
+                    "(default 6, at least 2)")
+    bs.add_argument("--history-tokens", type=int, default=None, metavar="N",
+                    help="multi-turn: about how long the history gets by the last turn (default 1800)")
+    bs.add_argument("--groups", type=int, default=None, metavar="G",
+                    help="shared-prefix: system prompts, one per group (default 8)")
+    bs.add_argument("--questions", type=int, default=None, metavar="Q",
+                    help="shared-prefix: questions per group (default 8)")
+    bs.add_argument("--prefix-tokens", type=int, default=None, metavar="N",
+                    help="shared-prefix: about how long each system prompt is (default 1024)")
     bs.add_argument("--json", default=None, metavar="OUT", help="write the full report (all levels) as JSON")
     bs.add_argument("--plot", default=None, metavar="FILE.png",
                     help="plot output tok/s and TTFT/TPOT p50/p99 vs concurrency (needs matplotlib: "

@@ -12,6 +12,7 @@ sends `num_requests` chat/text completions from a prompts file with that many in
 - E2E: request sent -> stream closed.
 
 Works against any OpenAI-compatible server; token counts come from the usage chunk (text chunks when it is absent).
+The prefix-caching workloads (`--workload multi-turn | shared-prefix`) are `server.bench.prefix`'s.
 """
 from __future__ import annotations
 
@@ -65,13 +66,29 @@ def _summary(xs: list[float]) -> dict:
             "mean": statistics.fmean(xs) if xs else None, "count": len(xs)}
 
 
-async def _one(client, model: str, rec: dict, max_tokens: int) -> dict:
-    """One streamed request: the arrival time of every chunk that carries text, and the usage's token count."""
+def cached_tokens(usage) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the server took from its prefix cache; None when
+    the server does not report it (no ``prompt_tokens_details``, or no ``cached_tokens`` in it)."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if isinstance(details, dict):
+        n = details.get("cached_tokens")
+    else:
+        n = getattr(details, "cached_tokens", None)
+    return None if n is None else int(n)
+
+
+async def _one(client, model: str, rec: dict, max_tokens: int, extra_body: dict | None = None) -> dict:
+    """One streamed request: the arrival time of every chunk that carries text, the usage's token counts (prompt,
+    cached: None when the server does not report them) and the text. ``extra_body``: fields the openai client does
+    not know (e.g. ``cache_salt``), sent as they are."""
     t0 = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     usage = None
     kw = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
           "stream_options": {"include_usage": True}}
+    if extra_body:
+        kw["extra_body"] = extra_body
     if "messages" in rec:
         stream = await client.chat.completions.create(messages=rec["messages"], **kw)
     else:
@@ -82,14 +99,18 @@ async def _one(client, model: str, rec: dict, max_tokens: int) -> dict:
             usage = chunk.usage
         if chunk.choices:
             c = chunk.choices[0]
-            if c.delta.content if hasattr(c, "delta") else c.text:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            if piece:
                 arrivals.append(now)
+                pieces.append(piece)
     end = time.perf_counter()
     n = usage.completion_tokens if usage is not None else len(arrivals)
     ttft = (arrivals[0] if arrivals else end) - t0
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     return {"ttft": ttft, "e2e": end - t0, "tokens": n, "chunks": len(arrivals),
-            "tpot": (end - t0 - ttft) / (n - 1) if arrivals and n > 1 else None, "gaps": gaps}
+            "tpot": (end - t0 - ttft) / (n - 1) if arrivals and n > 1 else None, "gaps": gaps,
+            "prompt_tokens": getattr(usage, "prompt_tokens", None), "cached_tokens": cached_tokens(usage),
+            "text": "".join(pieces)}
 
 
 async def _level(client, model: str, prompts: list[dict], concurrency: int, num_requests: int,
@@ -121,20 +142,32 @@ async def _level(client, model: str, prompts: list[dict], concurrency: int, num_
                           "tpot_s": r["tpot"], "itl_sum_s": sum(r["gaps"])} for r in results]}
 
 
-async def _run(url: str, api_key: str | None, prompts: list[dict], levels: list[int], num_requests: int | None,
-               max_tokens: int, warmup: int, log) -> dict:
+def make_client(url: str, api_key: str | None):
+    """An openai AsyncOpenAI client for ``url`` (with or without its /v1), no retries: a failed request counts."""
     from openai import AsyncOpenAI
 
     base = url.rstrip("/")
-    client = AsyncOpenAI(base_url=base + ("" if base.endswith("/v1") else "/v1"), api_key=api_key or "none",
-                         max_retries=0, timeout=600)
+    return AsyncOpenAI(base_url=base + ("" if base.endswith("/v1") else "/v1"), api_key=api_key or "none",
+                       max_retries=0, timeout=600)
+
+
+async def connect(client, url: str, prompts: list[dict], max_tokens: int, warmup: int) -> str:
+    """The server's (first) model id, after ``warmup`` untimed requests of the prompts; ConnectionError when either
+    fails (nothing was measured yet)."""
     try:
-        try:
-            model = (await client.models.list()).data[0].id
-            for i in range(warmup):  # first-use costs (connections, lazy setup) stay out of the first level
-                await _one(client, model, prompts[i % len(prompts)], max_tokens)
-        except Exception as e:
-            raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from e
+        model = (await client.models.list()).data[0].id
+        for i in range(warmup):  # first-use costs (connections, lazy setup) stay out of the first level
+            await _one(client, model, prompts[i % len(prompts)], max_tokens)
+    except Exception as e:
+        raise ConnectionError(f"{url}: {type(e).__name__}: {e}") from e
+    return model
+
+
+async def _run(url: str, api_key: str | None, prompts: list[dict], levels: list[int], num_requests: int | None,
+               max_tokens: int, warmup: int, log) -> dict:
+    client = make_client(url, api_key)
+    try:
+        model = await connect(client, url, prompts, max_tokens, warmup)
         out = []
         for c in levels:
             n = num_requests if num_requests is not None else default_num_requests(c)
@@ -142,7 +175,7 @@ async def _run(url: str, api_key: str | None, prompts: list[dict], levels: list[
             out.append({"url": url, "model": model, **await _level(client, model, prompts, c, n, max_tokens)})
     finally:
         await client.close()
-    return {"url": url, "model": model, "max_tokens": max_tokens, "warmup_requests": warmup,
+    return {"url": url, "model": model, "workload": "prompts", "max_tokens": max_tokens, "warmup_requests": warmup,
             "concurrency": levels, "errors": sum(lv["errors"] for lv in out), "levels": out}
 
 

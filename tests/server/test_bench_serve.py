@@ -73,6 +73,7 @@ def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     printed, log = capsys.readouterr()
     rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON report"))
     assert rep["concurrency"] == [1, 2] and rep["errors"] == 0 and rep["max_tokens"] == MAX_TOKENS
+    assert rep["workload"] == "prompts"
     assert [lv["concurrency"] for lv in rep["levels"]] == [1, 2]
     for lv in rep["levels"]:
         n = default_num_requests(lv["concurrency"])
