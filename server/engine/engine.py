@@ -100,23 +100,21 @@ class Engine:
 
     def _take_slot(self, hit: Hit) -> int:
         """A slot for a new sequence: the hit's idle slot itself when the sequence keeps all of its rows, else a free
-        slot, else the least recently used idle one other than the source, else the idle source itself."""
+        slot (the rows are copied), else the idle source (its rows past the match are lost, not another prefix), else
+        the least recently used idle slot."""
         src = hit.slot if hit.length else None
         idle_src = src is not None and src in self.prefix.idle
-        if idle_src and hit.length == self.prefix.index.length(src):
+        if idle_src and (hit.length == self.prefix.index.length(src) or not self.pool.free_slots):
             self.prefix.drop(src)
             return src
         if src is not None:
             self.prefix.touch(src)
         if self.pool.free_slots:
             return self.pool.allocate()
-        slot = self.prefix.evict(keep=src)
-        if slot is not None:
-            return slot
-        if idle_src:
-            self.prefix.drop(src)
-            return src
-        raise NoFreeSlotError(f"all {self.pool.num_slots} KV-cache slots are in use")
+        slot = self.prefix.evict()
+        if slot is None:
+            raise NoFreeSlotError(f"all {self.pool.num_slots} KV-cache slots are in use")
+        return slot
 
     def _copy_rows(self, src: int, dst: int, n: int) -> None:
         """The first ``n`` cached rows of slot ``src`` (K/V of every layer, hidden states) into slot ``dst``."""

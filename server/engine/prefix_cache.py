@@ -180,11 +180,11 @@ class PrefixCache:
             self.index.remove(slot)
         self.idle.pop(slot, None)
 
-    def evict(self, keep: int | None = None) -> int | None:
-        """Take the least recently used idle slot out of the index (never ``keep``): the slot, or None."""
-        for slot in self.idle:
-            if slot != keep:
-                self.drop(slot)
-                self.evictions += 1
-                return slot
-        return None
+    def evict(self) -> int | None:
+        """Take the least recently used idle slot out of the index: the slot, or None."""
+        if not self.idle:
+            return None
+        slot = next(iter(self.idle))
+        self.drop(slot)
+        self.evictions += 1
+        return slot

@@ -56,13 +56,15 @@ def test_limits_and_stop_tokens(tiny_engine):
 
 
 def test_kv_usage_reported(tiny_engine):
+    tiny_engine = Engine(tiny_engine.cfg, target=tiny_engine.target)  # an empty prefix cache
     seq = tiny_engine.add([2, 3, 4, 5])
     tiny_engine.prefill(seq)
-    assert tiny_engine.pool.usage() == pytest.approx(4 / (2 * 32))
+    assert tiny_engine.kv_usage() == pytest.approx((4 / (2 * 32), 0.0))
     tiny_engine.step(seq)
-    assert tiny_engine.pool.usage() == pytest.approx(5 / (2 * 32))
-    tiny_engine.release(seq)
-    assert tiny_engine.pool.usage() == 0.0
+    assert tiny_engine.kv_usage() == pytest.approx((5 / (2 * 32), 0.0))
+    tiny_engine.release(seq)  # its committed rows stay in the prefix cache, apart from running ones
+    assert tiny_engine.kv_usage() == pytest.approx((0.0, 5 / (2 * 32)))
+    tiny_engine.release(tiny_engine.add([9, 9, 9]), cache=False)  # takes the idle slot or the free one
 
 
 def test_seeded_sampling_is_reproducible(tiny_engine):
@@ -119,7 +121,7 @@ def test_target_view_exposes_verified_kv_and_hidden(tiny_engine):
     assert seen["k"].shape == (a.num_kv_heads, 5, a.head_dim)
     assert seen["hidden"].shape == (5, a.hidden_size)
     # the cached K of the first 5 tokens equals a fresh causal forward's K (post-RoPE)
-    seq2 = engine.add(seen["tokens"][:5])
+    seq2 = engine.add(seen["tokens"][:5], namespace="elsewhere")  # no prefix hit: every row computed here
     engine.forward(seq2, seen["tokens"][:5], torch.arange(5))
     torch.testing.assert_close(engine.pool.k[1, seq2.slot, :, :5], seen["k"])
     engine.release(seq2)

@@ -78,7 +78,7 @@ def test_batched_greedy_equals_alone(name, cfg, target32, tokenizer):
         submit(sched, str(i), x, 12, stops)
     run(sched, client)
     assert [client.tokens[str(i)] for i in range(len(ids))] == alone
-    assert engine.pool.slots_used == 0
+    assert engine.slots_running == 0
     assert client.tick < sum(len(a) for a in alone)  # steps were shared: fewer steps than tokens
 
 
@@ -287,7 +287,7 @@ def test_an_engine_fault_fails_that_step_and_frees_its_slots(cfg, target32, toke
         submit(sched, str(i), ids, 8, [])
     run(sched, client)
     assert all(isinstance(client.done[str(i)], m.Failed) for i in range(3))
-    assert "drafter exploded" in client.done["0"].message and engine.pool.slots_used == 0
+    assert "drafter exploded" in client.done["0"].message and engine.slots_running == 0
 
 
 @pytest.mark.parametrize("name", [n for n in drafter_names() if n != "none"])
