@@ -1,8 +1,10 @@
 """Prometheus metrics of the API process (`GET /metrics`), serving and speculation.
 
 Every series is prefixed `specserve_` and labelled by model and drafter. Worker-side figures (speculation per verify
-step, running / waiting requests, KV-cache usage) arrive as worker messages and are folded in here, so one scrape of
-the API process sees everything. Rates (acceptance rate, tokens/s) come from counters, never from last-batch gauges.
+step, running / waiting requests, KV-cache usage, the prefix cache) arrive as worker messages and are folded in here,
+so one scrape of the API process sees everything; the worker's cumulative prefix-cache counts move their counters by
+the difference since its previous Status. Rates (acceptance rate, tokens/s) come from counters, never from last-batch
+gauges.
 """
 from __future__ import annotations
 
@@ -37,8 +39,19 @@ class Metrics:
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", ln, registry=r)
         self.running = Gauge("specserve_requests_running", "Requests holding a KV slot", ln, registry=r)
         self.waiting = Gauge("specserve_requests_waiting", "Requests queued for a KV slot", ln, registry=r)
-        self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Fraction of KV-cache token capacity in use", ln,
-                              registry=r)
+        self.kv_usage = Gauge("specserve_kv_cache_usage_ratio",
+                              "Fraction of KV-cache token capacity held by running sequences", ln, registry=r)
+        self.kv_cached_usage = Gauge("specserve_kv_cache_cached_usage_ratio",
+                                     "Fraction of KV-cache token capacity held by idle prefix-cache slots "
+                                     "(evictable)", ln, registry=r)
+        self.prefix_queries = Counter("specserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", ln, registry=r)
+        self.prefix_hits = Counter("specserve_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache (their KV reused)", ln, registry=r)
+        self.prefix_evictions = Counter("specserve_prefix_cache_evictions",
+                                        "Idle prefix-cache slots evicted to make room", ln, registry=r)
+        # the worker's cumulative prefix-cache counters as of its last Status; the Counters move by the difference
+        self._prefix_seen = {"prefix_queries": 0, "prefix_hits": 0, "prefix_evictions": 0}
         self.verify_steps = Counter("specserve_spec_verify_steps", "Target verification forwards", ln, registry=r)
         self.drafts = Counter("specserve_spec_drafts", "Verify steps that carried at least one draft token", ln,
                               registry=r)
@@ -66,6 +79,9 @@ class Metrics:
             self.requests.labels(**self.labels, outcome=o)
         for p in range(1, MAX_POSITIONS + 1):
             self.accepted_per_position.labels(**self.labels, position=str(p))
+        for series in (self.kv_usage, self.kv_cached_usage, self.prefix_queries, self.prefix_hits,
+                       self.prefix_evictions):
+            series.labels(**self.labels)
 
     def on_worker_message(self, msg: m.FromWorker) -> None:
         lb = self.labels
@@ -73,6 +89,13 @@ class Metrics:
             self.running.labels(**lb).set(msg.running)
             self.waiting.labels(**lb).set(msg.waiting)
             self.kv_usage.labels(**lb).set(msg.kv_usage)
+            self.kv_cached_usage.labels(**lb).set(msg.kv_cached_usage)
+            for name, counter in (("prefix_queries", self.prefix_queries), ("prefix_hits", self.prefix_hits),
+                                  ("prefix_evictions", self.prefix_evictions)):
+                now, before = getattr(msg, name), self._prefix_seen[name]
+                if now > before:
+                    counter.labels(**lb).inc(now - before)
+                self._prefix_seen[name] = now
         elif isinstance(msg, m.Step):
             if msg.sequences:
                 self.step_sequences.labels(**lb).observe(msg.sequences)

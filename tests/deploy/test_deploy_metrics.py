@@ -46,7 +46,9 @@ def test_expressions_name_series():
                    "specserve_requests_running", "specserve_requests_waiting", "specserve_kv_cache_usage_ratio",
                    "specserve_spec_accepted_tokens_total", "specserve_spec_draft_tokens_total",
                    "specserve_spec_verify_steps_total", "specserve_spec_accepted_tokens_per_position_total",
-                   "specserve_spec_accepted_length_sum", "specserve_spec_accepted_length_count"):
+                   "specserve_spec_accepted_length_sum", "specserve_spec_accepted_length_count",
+                   "specserve_prefix_cache_hits_total", "specserve_prefix_cache_queries_total",
+                   "specserve_prefix_cache_evictions_total", "specserve_kv_cache_cached_usage_ratio"):
         assert "specserve.json" in used.get(needed, set()), f"the dashboard does not show {needed}"
     assert "specserve_requests_waiting" in used and "hpa via adapter" in used["specserve_requests_waiting"]
 
@@ -99,7 +101,7 @@ def test_dashboard_structure():
                     assert re.search(r"by \([^)]*\ble\b", expr), (p["title"], expr)
         titles = " ".join(p["title"].lower() for p in panels)
         for word in ("tokens/s", "requests/s", "time to first token", "inter-token", "running / waiting", "kv-cache",
-                     "acceptance rate", "mean accepted length", "position"):
+                     "acceptance rate", "mean accepted length", "position", "prefix cache"):
             assert word in titles, f"{path.name}: no panel about {word}"
 
 
