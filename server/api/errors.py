@@ -230,6 +230,13 @@ class BodySizeLimitMiddleware:
 
 
 # -- API key -----------------------------------------------------------------------------------------------------
+def bearer_token(request: Request) -> str:
+    """The key the client presented as `Authorization: Bearer <key>`, or "" when it sent none. Starlette decodes
+    header bytes as latin-1, so `.encode("latin-1")` recovers the bytes the client sent."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 def api_key_dependency(expected: str | None) -> Callable[[Request], Awaitable[None]]:
     """A FastAPI dependency requiring ``Authorization: Bearer <expected>``; with ``expected`` None it allows all.
 
@@ -241,9 +248,8 @@ def api_key_dependency(expected: str | None) -> Callable[[Request], Awaitable[No
     async def require_api_key(request: Request) -> None:
         if want is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Starlette decodes header bytes as latin-1: re-encoding recovers the bytes the client sent.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), want):
+        token = bearer_token(request)
+        if not token or not hmac.compare_digest(token.encode("latin-1"), want):
             raise APIError(401, "Missing or incorrect API key: send it as `Authorization: Bearer <key>`.",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 

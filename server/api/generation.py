@@ -1,15 +1,18 @@
 """One request's life in the API process: submit token ids to the worker, turn the tokens that come back into
 UTF-8-safe text deltas, cut at stop strings, and keep the request's metrics.
 
-`Generation.deltas()` yields `Delta`s; the routes shape them into OpenAI responses or SSE chunks. Whatever ends the
-iteration (finish, stop string, client disconnect, error), the worker hears an abort if it still holds the request.
-A stop string ends the request before the worker does: the text goes out at once, and `usage()` then waits (briefly)
-for the worker's answer to the abort, which carries the request's speculative stats.
+A request asks for `n` choices (`Choices`): n `Generation`s, one worker request each, with the same prompt and prefix
+cache namespace (`cache_namespace`), so the worker prefills the prompt once and the later choices copy its rows.
+`Choices.events()` yields `(index, Delta)` as any choice's text arrives; the routes shape them into OpenAI responses
+or SSE chunks. Whatever ends the iteration (finish, client disconnect, error), the worker hears an abort for every
+choice it still holds. A stop string ends its choice before the worker does: the text goes out at once, and `usage()`
+then waits (briefly) for the worker's answer to the abort, which carries the choice's speculative stats.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -25,6 +28,49 @@ from server.worker.process import WorkerClient, WorkerDied, new_request_id
 FINAL_STATS_TIMEOUT_S = 5.0
 SPEC_USAGE_KEYS = ("drafter", "draft_tokens", "accepted_tokens", "verify_steps", "mean_accepted_length",
                    "mean_draft_length", "max_draft_length")
+_INT64 = 2**64
+
+
+def cache_namespace(api_key: str, cache_salt: str | None, prefix_caching: bool, request_id: str) -> str:
+    """The prefix-cache partition a request's KV rows are looked up and cached under.
+
+    With prefix caching on: the SHA-256 of the API key the client presented ("" for none; the key itself never
+    leaves the API process), then the request's `cache_salt`. The digest has a fixed length, so any salt (one with
+    ':' included) gives its own namespace. With prefix caching off: one namespace per HTTP request, so the n choices
+    of a request share its prompt's rows and no two requests share anything."""
+    if not prefix_caching:
+        return f"request:{request_id}"
+    digest = hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{digest}:{cache_salt or ''}"
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: `seed + index` (vLLM's convention), wrapped into int64 (the worker's wire type)."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % _INT64 - 2**63
+
+
+class RequestClock:
+    """Request-level latency of one HTTP request, shared by its choices: the time to first token is the first token
+    of any choice, observed once; the end-to-end latency is observed once, when the request ends."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.t0 = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.ended = False
+
+    def first_token(self, now: float) -> None:
+        """A choice's first token arrived at `now`: the request's TTFT if no choice had one yet."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.labels(**self.metrics.labels).observe(now - self.t0)
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.t0)
 
 
 @dataclass
@@ -42,6 +88,8 @@ class Generation:
     sampling: dict            # from protocol.sampling_from; max_tokens already resolved to an int
     stop_token_ids: list[int]
     request_id: str = field(default_factory=lambda: new_request_id("req"))
+    namespace: str | None = None  # the prefix-cache partition (cache_namespace)
+    clock: RequestClock | None = None  # the request's, shared by its choices (`Choices`); None: one of its own
     completion_tokens: int = 0  # tokens whose text the reply returned (up to the one that completed a stop string)
     finish_reason: str | None = None
     spec_usage: dict | None = None
@@ -52,21 +100,29 @@ class Generation:
         """Hand the request to the worker (raises APIError 503 when the worker is gone)."""
         s = self.sampling
         req = m.Generate(self.request_id, self.prompt_ids, s["max_tokens"], s["temperature"], s["top_p"],
-                         s["top_k"], s["seed"], self.stop_token_ids)
-        self.t0 = time.perf_counter()
+                         s["top_k"], s["seed"], self.stop_token_ids, namespace=self.namespace)
+        if self.clock is None:
+            self.clock = RequestClock(self.metrics)
         try:
             self.queue = self.worker.submit(req)
         except WorkerDied:
             self._done = True
             raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
-        self.metrics.prompt_tokens.labels(**self.metrics.labels).inc(len(self.prompt_ids))
+
+    def close(self) -> None:
+        """Tell the worker to drop the request if it still holds it (idempotent)."""
+        if not self._done:
+            self._done = True
+            self.worker.abort(self.request_id)
 
     def _count_tokens(self, n: int, last: float | None) -> float:
-        """Token metrics for `n` tokens that arrived now; returns the arrival time."""
+        """Token metrics for `n` tokens that arrived now; returns the arrival time. The request's first token is
+        its TTFT; the tokens that arrived with it, and every later one, an inter-token latency each (a later
+        choice's first token is neither)."""
         mt, lb = self.metrics, self.metrics.labels
         now = time.perf_counter()
         if last is None:
-            mt.ttft.labels(**lb).observe(now - self.t0)
+            self.clock.first_token(now)
             for _ in range(n - 1):  # tokens that arrived with the first one cost nothing extra
                 mt.itl.labels(**lb).observe(0.0)
         else:
@@ -119,10 +175,7 @@ class Generation:
                 if out:
                     yield Delta(out)
         finally:
-            self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.t0)
-            if not self._done:
-                self._done = True
-                self.worker.abort(self.request_id)
+            self.close()
 
     def _stopped_early(self, stop_end: int, ends: list[int]) -> None:
         """A stop string ending at character `stop_end` ended the request: count the tokens up to the one that
@@ -153,11 +206,112 @@ class Generation:
                 await asyncio.wait_for(self._final_stats(), FINAL_STATS_TIMEOUT_S)
             except asyncio.TimeoutError:
                 pass
+        cached = (self.spec_usage or {}).get("cached_tokens") or 0
         u = {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.completion_tokens,
-             "total_tokens": len(self.prompt_ids) + self.completion_tokens}
+             "total_tokens": len(self.prompt_ids) + self.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": int(cached)}}
         if self.spec_usage:
             u.update({k: self.spec_usage.get(k) for k in SPEC_USAGE_KEYS})
         return u
+
+
+def combine_usage(parts: list[dict]) -> dict:
+    """One request's usage from its choices' (`Generation.usage`): the prompt counted once (its cached tokens the
+    fewest any choice had), completion tokens summed; speculative stats summed (draft / accepted tokens, verify
+    steps), the longest draft, and means over all the verify steps."""
+    if len(parts) == 1:
+        return parts[0]
+    prompt = parts[0]["prompt_tokens"]
+    completion = sum(p["completion_tokens"] for p in parts)
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+         "prompt_tokens_details": {"cached_tokens": min(p["prompt_tokens_details"]["cached_tokens"] for p in parts)}}
+    spec = [p for p in parts if "verify_steps" in p]
+    if spec:
+        def total(key: str) -> int:
+            return sum(p.get(key) or 0 for p in spec)
+
+        steps = total("verify_steps")
+        draft = total("draft_tokens")
+        emitted = sum((p.get("mean_accepted_length") or 0) * (p.get("verify_steps") or 0) for p in spec)
+        u.update({"drafter": spec[0].get("drafter"), "draft_tokens": draft,
+                  "accepted_tokens": total("accepted_tokens"), "verify_steps": steps, "mean_accepted_length": round(emitted / steps, 4) if steps else 0.0,
+                  "mean_draft_length": round(draft / steps, 4) if steps else 0.0,
+                  "max_draft_length": max(p.get("max_draft_length") or 0 for p in spec)})
+    return u
+
+
+class Choices:
+    """The n choices of one request: one `Generation` each (request ids `<request_id>-<i>`), the same prompt and
+    prefix-cache namespace, choice i seeded `seed + i` when the request has a seed. Owns the request-level metrics:
+    prompt tokens (counted once), TTFT and end-to-end latency."""
+
+    def __init__(self, worker: WorkerClient, tokenizer, metrics: Metrics, prompt_ids: list[int], sampling: dict,
+                 stop_token_ids: list[int], n: int = 1, namespace: str | None = None,
+                 request_id: str | None = None):
+        self.request_id = request_id or new_request_id("req")
+        self.metrics = metrics
+        self.prompt_ids = prompt_ids
+        self.clock = RequestClock(metrics)
+        self.gens = [Generation(worker, tokenizer, metrics, prompt_ids,
+                                {**sampling, "seed": choice_seed(sampling.get("seed"), i)}, stop_token_ids,
+                                request_id=f"{self.request_id}-{i}", namespace=namespace, clock=self.clock)
+                     for i in range(n)]
+
+    @property
+    def n(self) -> int:
+        return len(self.gens)
+
+    def submit(self) -> None:
+        """Hand every choice to the worker; if the worker is gone (APIError 503), drop those already sent."""
+        try:
+            for g in self.gens:
+                g.submit()
+        except APIError:
+            self.close()
+            raise
+        self.metrics.prompt_tokens.labels(**self.metrics.labels).inc(len(self.prompt_ids))
+
+    def close(self) -> None:
+        """The worker drops every choice it still holds (idempotent)."""
+        for g in self.gens:
+            g.close()
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) as the choices' text arrives, interleaved, until every choice has finished. A
+        choice's error ends them all and is raised. However the iteration ends, the worker drops what it still
+        holds and the request's latency is observed (close the iterator: `contextlib.aclosing`)."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            try:
+                async for d in gen.deltas():
+                    merged.put_nowait((i, d, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                merged.put_nowait((i, None, e))
+            else:
+                merged.put_nowait((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self.gens)]
+        running = len(tasks)
+        try:
+            while running:
+                i, delta, error = await merged.get()
+                if error is not None:
+                    raise error
+                if delta is None:
+                    running -= 1
+                else:
+                    yield i, delta
+        finally:
+            # synchronous on purpose: a cancelled scope (client gone) cancels any await made here
+            for t in tasks:
+                t.cancel()
+            self.close()
+            self.clock.end()
+
+    async def usage(self) -> dict:
+        """The request's OpenAI usage (call once the events are done): `combine_usage` of the choices'."""
+        return combine_usage(list(await asyncio.gather(*(g.usage() for g in self.gens))))
 
 
 def _failure(msg: m.Failed) -> APIError:

@@ -23,6 +23,8 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds travel to the worker as msgpack int64
+MAX_N = 128  # choices per request, OpenAI's limit (the server's KV slots may set a lower one: routes.py)
+MAX_CACHE_SALT_CHARS = 256
 
 UNSUPPORTED = "unsupported_parameter"
 INVALID = "invalid_value"
@@ -56,7 +58,6 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (lambda v: v is None or v == [], _NO_TOOLS),
     "tool_choice": (lambda v: v is None or v == "none", _NO_TOOLS),
     "function_call": (lambda v: v is None or v == "none", _NO_TOOLS),
-    "n": (lambda v: v == 1, "this server returns one choice per request (n=1)"),
     "presence_penalty": (lambda v: not v, "only 0 is accepted"),
     "frequency_penalty": (lambda v: not v, "only 0 is accepted"),
     "logit_bias": (lambda v: not v, "only an empty map is accepted"),
@@ -66,6 +67,7 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 SafeStr = Annotated[str, AfterValidator(_clean_text)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_clean_text)]
 PositiveInt32 = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
@@ -122,10 +124,12 @@ class _SamplingRequest(_Request):
     ignore_eos: StrictBool = False  # extension (as in vLLM): keep generating past end-of-sequence, for benchmarks
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: SafeStr | None = None
+    # extension (as in vLLM): requests reuse cached prompt KV only with requests of the same API key and salt
+    cache_salt: CacheSalt | None = None
     # Accepted only at their neutral values (see _NEUTRAL).
     logprobs: Any = None
     presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None

@@ -4,16 +4,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from typing import Annotated, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from server.api.errors import APIError, api_key_dependency
-from server.api.generation import Generation
+from server.api.errors import APIError, api_key_dependency, bearer_token
+from server.api.generation import Choices, cache_namespace
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
 from server.tokenization import encode_chat, encode_text
+from server.worker.process import new_request_id
 
 router = APIRouter()
 STUCK_S = 10.0  # /health: a worker this long inside one prefill or step (or this long silent) is unhealthy
@@ -37,11 +39,19 @@ def _check_model(s, model: str) -> None:
                        "invalid_request_error", "model", "model_not_found")
 
 
-def _prepare(s, prompt_ids: list[int], sampling: dict) -> Generation:
-    """Context checks, admission control, and submission to the worker. (No check for a draining server: on SIGTERM
-    uvicorn closes the listening socket and every idle connection first, so no new request reaches a route.)"""
+def _prepare(s, request: Request, req, prompt_ids: list[int]) -> Choices:
+    """Context checks, admission control, and submission of the request's n choices to the worker. (No check for a
+    draining server: on SIGTERM uvicorn closes the listening socket and every idle connection first, so no new
+    request reaches a route.)"""
+    choices = req.n
+    slots = s.worker.ready.num_slots
+    if choices > slots:
+        raise APIError(400, f"`n` is {choices}, but this server runs at most {slots} sequences at once (its KV "
+                       f"slots): ask for at most {slots} choices per request.", "invalid_request_error", "n",
+                       "invalid_value")
     if not s.worker.alive:
         raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
+    sampling = sampling_from(req)
     ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
     if n >= ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
@@ -54,21 +64,27 @@ def _prepare(s, prompt_ids: list[int], sampling: dict) -> Generation:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens; you requested {n + max_tokens} "
                        f"tokens ({n} in the prompt, {max_tokens} for the completion).", "invalid_request_error",
                        "max_tokens", "context_length_exceeded")
-    if s.worker.in_flight >= s.cfg.cache.num_slots + s.cfg.server.max_waiting:
+    if s.worker.in_flight + choices > s.cfg.cache.num_slots + s.cfg.server.max_waiting:
         raise APIError(503, "the server is overloaded: the waiting queue is full; retry later", "server_error",
                        None, "queue_full", headers={"Retry-After": "1"})
-    gen = Generation(s.worker, s.tokenizer, s.metrics, prompt_ids, {**sampling, "max_tokens": max_tokens},
-                     [] if sampling.get("ignore_eos") else s.stop_token_ids)
-    gen.submit()
-    return gen
+    request_id = new_request_id("req")
+    namespace = cache_namespace(bearer_token(request), req.cache_salt, s.cfg.cache.prefix_caching, request_id)
+    group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids, {**sampling, "max_tokens": max_tokens},
+                    [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
+                    request_id=request_id)
+    group.submit()
+    return group
 
 
-async def _collect(request: Request, gen: Generation) -> tuple[str, dict] | None:
-    """Run a non-streaming generation to the end: (text, usage); None if the client went away (the request is
-    aborted)."""
-    async def consume() -> tuple[str, dict]:
-        text = "".join([d.text async for d in gen.deltas()])
-        return text, await gen.usage()
+async def _collect(request: Request, group: Choices) -> tuple[list[str], dict] | None:
+    """Run a non-streaming request to the end: (each choice's text, usage); None if the client went away (every
+    choice is aborted)."""
+    async def consume() -> tuple[list[str], dict]:
+        texts: list[list[str]] = [[] for _ in range(group.n)]
+        async with aclosing(group.events()) as events:
+            async for i, d in events:
+                texts[i].append(d.text)
+        return ["".join(t) for t in texts], await group.usage()
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -92,9 +108,10 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], include_usage: bool,
+def _stream(request: Request, group: Choices, chunk: Callable[..., dict], include_usage: bool,
             first: dict | None) -> StreamingResponse:
-    """SSE: optional role chunk, text deltas, a finish chunk, an optional usage chunk, then [DONE].
+    """SSE: optional role chunks (one per choice), the choices' text deltas interleaved as they arrive and a finish
+    chunk per choice (each chunk names its choice's `index`), an optional usage chunk, then [DONE].
 
     An error after the stream started goes out as a final `data: {"error": ...}` event, without [DONE].
     """
@@ -104,14 +121,16 @@ def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], inclu
         state["outcome"] = "aborted"  # until the stream ends on its own
         try:
             if first is not None:
-                yield _sse(chunk(first, None))
-            async for d in gen.deltas():
-                if d.text:
-                    yield _sse(chunk({"content": d.text} if first is not None else d.text, None))
-                if d.finish_reason:
-                    yield _sse(chunk({} if first is not None else "", d.finish_reason))
+                for i in range(group.n):
+                    yield _sse(chunk(i, first, None))
+            async with aclosing(group.events()) as deltas:
+                async for i, d in deltas:
+                    if d.text:
+                        yield _sse(chunk(i, {"content": d.text} if first is not None else d.text, None))
+                    if d.finish_reason:
+                        yield _sse(chunk(i, {} if first is not None else "", d.finish_reason))
             if include_usage:
-                yield _sse(chunk(None, None, usage=await gen.usage()))
+                yield _sse(chunk(0, None, None, usage=await group.usage()))
             yield "data: [DONE]\n\n"
             state["outcome"] = "completed"
         except APIError as e:
@@ -122,16 +141,16 @@ def _stream(request: Request, gen: Generation, chunk: Callable[..., dict], inclu
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _respond(request: Request, req, gen: Generation, chat: bool):
-    """The OpenAI response for a submitted generation: SSE chunks when streaming, else one JSON body."""
+async def _respond(request: Request, req, group: Choices, chat: bool):
+    """The OpenAI response for a submitted request: SSE chunks when streaming, else one JSON body."""
     s = _state(request)
-    head = {"id": ("chatcmpl-" if chat else "cmpl-") + gen.request_id.split("-", 1)[1], "created": int(time.time()),
-            "model": s.model_name}
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + group.request_id.split("-", 1)[1],
+            "created": int(time.time()), "model": s.model_name}
     piece_key = "delta" if chat else "text"
 
-    def chunk(piece, finish, usage=None) -> dict:
+    def chunk(index, piece, finish, usage=None) -> dict:
         # piece: a delta dict (chat) or a text (completions); None for the closing usage-only chunk
-        choices = [] if piece is None else [{"index": 0, piece_key: piece, "finish_reason": finish,
+        choices = [] if piece is None else [{"index": index, piece_key: piece, "finish_reason": finish,
                                              "logprobs": None}]
         out = {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": choices}
         if req.include_usage:
@@ -139,15 +158,18 @@ async def _respond(request: Request, req, gen: Generation, chat: bool):
         return out
 
     if req.stream:
-        return _stream(request, gen, chunk, req.include_usage,
+        return _stream(request, group, chunk, req.include_usage,
                        first={"role": "assistant", "content": ""} if chat else None)
-    result = await _collect(request, gen)
+    result = await _collect(request, group)
     if result is None:
         return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
-    text, usage = result
-    choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+    texts, usage = result
+    choices = []
+    for i, (text, gen) in enumerate(zip(texts, group.gens)):
+        choice = {"index": i, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        choices.append(choice)
+    return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage}
 
 
@@ -156,7 +178,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth
     s = _state(request)
     _check_model(s, req.model)
     prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, req.template_messages())
-    return await _respond(request, req, _prepare(s, prompt_ids, sampling_from(req)), chat=True)
+    return await _respond(request, req, _prepare(s, request, req, prompt_ids), chat=True)
 
 
 @router.post("/v1/completions", tags=["completions"])
@@ -171,7 +193,7 @@ async def completions(req: CompletionRequest, request: Request, _: Auth):
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
                            None)
-    return await _respond(request, req, _prepare(s, prompt_ids, sampling_from(req)), chat=False)
+    return await _respond(request, req, _prepare(s, request, req, prompt_ids), chat=False)
 
 
 @router.get("/v1/models", tags=["models"], response_model=ModelList)

@@ -44,7 +44,9 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "a\u0000b"}]}, "messages.0.content"),
     ({"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": MSG, "n": 2}, "n"),
+    ({"messages": MSG, "n": 129}, "n"),
+    ({"messages": MSG, "n": 5}, "n"),  # more choices than the server's 4 KV slots
+    ({"messages": MSG, "cache_salt": 7}, "cache_salt"),
     ({"messages": MSG, "logprobs": True}, "logprobs"),
     ({"messages": MSG, "presence_penalty": 0.5}, "presence_penalty"),
     ({"messages": MSG, "frequency_penalty": 1}, "frequency_penalty"),

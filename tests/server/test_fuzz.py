@@ -44,13 +44,14 @@ sampling_fields = {
     "top_p": numeric(st.floats(-0.5, 1.5, allow_nan=False), st.floats(0, 1e-4)),
     "top_k": numeric(st.integers(-3, 100)),
     "seed": numeric(st.integers(-2**70, 2**70)),
-    "n": numeric(st.integers(-1, 3)),
+    "n": numeric(st.integers(-1, 5), st.sampled_from([128, 129])),  # the server has 4 KV slots
     "presence_penalty": numeric(st.floats(-2, 2)),
     "frequency_penalty": numeric(st.floats(-2, 2)),
     "logprobs": numeric(st.booleans(), st.integers(0, 5)),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=6), json_values),
     "stream": st.one_of(st.booleans(), json_values),
     "ignore_eos": st.one_of(st.booleans(), json_values),
+    "cache_salt": st.one_of(st.text(max_size=12), st.text(min_size=250, max_size=260), json_values),
 }
 chat_body = st.fixed_dictionaries(
     {"model": st.one_of(st.just("SmolLM2-135M-Instruct"), st.text(max_size=8)), "max_tokens": small_max_tokens},

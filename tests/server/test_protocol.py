@@ -52,6 +52,14 @@ def test_unknown_fields_ignored_and_null_means_default():
     assert not hasattr(req, "foo")
 
 
+def test_n_and_cache_salt():
+    assert chat(n=128, cache_salt="x" * 256).n == 128
+    req = completion(n=3, cache_salt="tenant:a")
+    assert (req.n, req.cache_salt) == (3, "tenant:a")
+    assert chat().cache_salt is None and chat(cache_salt=None).cache_salt is None
+    assert sampling_from(req) == sampling_from(completion())  # neither is a sampling parameter
+
+
 def test_ints_accepted_for_floats():
     assert chat(temperature=1, top_p=1).temperature == 1.0
 
@@ -126,8 +134,18 @@ def test_sampling_from_values():
     ({"stop": "x" * 257}, "stop"),
     ({"stop": [1]}, "stop"),
     ({"stop": "a\x00"}, "stop"),
-    ({"n": 2}, "n"),
     ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"n": "2"}, "n"),
+    ({"n": 2.0}, "n"),
+    ({"n": True}, "n"),
+    ({"cache_salt": 5}, "cache_salt"),
+    ({"cache_salt": ["s"]}, "cache_salt"),
+    ({"cache_salt": False}, "cache_salt"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "s" * 257}, "cache_salt"),
+    ({"cache_salt": "s\x00"}, "cache_salt"),
+    ({"cache_salt": "\ud800"}, "cache_salt"),
     ({"stream": "true"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
@@ -161,7 +179,10 @@ def test_chat_errors_name_the_field(fields, loc):
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"logprobs": 2}, "logprobs"),
-    ({"n": 4}, "n"),
+    ({"n": 129}, "n"),
+    ({"n": -1}, "n"),
+    ({"cache_salt": 1.5}, "cache_salt"),
+    ({"cache_salt": {"salt": "x"}}, "cache_salt"),
     ({"top_p": float("nan")}, "top_p"),
 ])
 def test_completion_errors_name_the_field(fields, loc):
@@ -169,7 +190,7 @@ def test_completion_errors_name_the_field(fields, loc):
 
 
 def test_unsupported_errors_have_their_own_type():
-    assert error_of(chat, n=3) == ("n", "unsupported_parameter")
+    assert error_of(chat, logprobs=True) == ("logprobs", "unsupported_parameter")
     assert error_of(completion, prompt=["a", "b"]) == ("prompt", "unsupported_parameter")
     assert error_of(chat, stop="") == ("stop", "invalid_value")
 
