@@ -113,7 +113,7 @@ def test_a_long_prompt_is_chunked_while_other_streams_step(cfg, target32, tokeni
     submit(sched, "short", short_ids, 40, [])
     sched.tick()  # the short prompt is prefilled and streams
     client.tick += 1
-    submit(sched, "long", long_ids, 8, stops)
+    submit(sched, "long", long_ids, 8, stops, namespace="cold")  # not the cached run above: all of it prefills
     run(sched, client)
     first_long = client.arrivals["long"][0]
     assert first_long >= 1 + len(long_ids) // 64  # prefilled over many steps, never more than the budget per step
