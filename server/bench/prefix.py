@@ -263,15 +263,22 @@ def _later(results: list[dict]) -> list[dict]:
     return [r for r in results if r["turn"] >= 2]
 
 
+async def _connect_calibrated(client, url, prompts, max_tokens, warmup, target_tokens,
+                              salt) -> tuple[str, float, float]:
+    """`connect`, then `calibrate` for about ``target_tokens``: (model, characters per token, template tokens);
+    ConnectionError when either fails (nothing was measured yet)."""
+    model = await connect(client, url, prompts, max_tokens, warmup)
+    try:
+        return (model, *await calibrate(client, model, target_tokens, salt))
+    except Exception as e:
+        raise ConnectionError(f"{url}: calibration request: {type(e).__name__}: {e}") from e
+
+
 async def _multi_turn(url, api_key, prompts, conversations, turns, history_tokens, max_tokens, warmup, log) -> dict:
     client = make_client(url, api_key)
     salt = run_salt()
     try:
-        model = await connect(client, url, prompts, max_tokens, warmup)
-        try:
-            cpt, base = await calibrate(client, model, history_tokens, salt)
-        except Exception as e:
-            raise ConnectionError(f"{url}: calibration request: {type(e).__name__}: {e}") from e
+        model, cpt, base = await _connect_calibrated(client, url, prompts, max_tokens, warmup, history_tokens, salt)
         plan = plan_multi_turn(questions_of(prompts), conversations, turns, history_tokens, max_tokens, cpt, base)
         log(f"multi-turn: {conversations} conversations x {turns} turns, {cpt:.2f} chars/token, documents of "
             f"~{sum(len(c.document) for c in plan) / len(plan) / cpt:.0f} tokens; cache on")
@@ -315,11 +322,7 @@ async def _shared_prefix(url, api_key, prompts, groups, questions, prefix_tokens
     client = make_client(url, api_key)
     salt = run_salt()
     try:
-        model = await connect(client, url, prompts, max_tokens, warmup)
-        try:
-            cpt, _ = await calibrate(client, model, prefix_tokens, salt)
-        except Exception as e:
-            raise ConnectionError(f"{url}: calibration request: {type(e).__name__}: {e}") from e
+        model, cpt, _ = await _connect_calibrated(client, url, prompts, max_tokens, warmup, prefix_tokens, salt)
         plan = plan_shared_prefix(questions_of(prompts), groups, questions, prefix_tokens, cpt)
         modes = {}
         for name in MODES:
@@ -336,7 +339,8 @@ async def _shared_prefix(url, api_key, prompts, groups, questions, prefix_tokens
     return {"url": url, "model": model, "workload": "shared-prefix", "max_tokens": max_tokens,
             "warmup_requests": warmup, "groups": groups, "questions": questions, "concurrency": concurrency,
             "prefix_tokens": prefix_tokens, "chars_per_token": cpt,
-            "system_chars": [len(plan[g]["messages"][0]["content"]) for g in range(groups)], "cache_salt": salt, "errors": on["errors"] + off["errors"], "modes": modes,
+            "system_chars": [len(plan[g]["messages"][0]["content"]) for g in range(groups)], "cache_salt": salt,
+            "errors": on["errors"] + off["errors"], "modes": modes,
             "on_over_off": {"requests_per_s": _ratio(on["requests_per_s"], off["requests_per_s"]),
                             "output_tokens_per_s": _ratio(on["output_tokens_per_s"], off["output_tokens_per_s"]),
                             "ttft_median": _ratio(on["ttft_s"]["median"], off["ttft_s"]["median"]),

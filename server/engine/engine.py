@@ -74,11 +74,10 @@ class Engine:
             raise RequestError("max_new_tokens must be >= 1")
         sampling = sampling or SamplingParams()
         ns = "" if namespace is None else namespace
-        hit = self.prefix_hit(prompt_ids, ns) if namespace is not None or self.prefix.enabled else Hit(None, 0)
+        hit = self.prefix_hit(prompt_ids, namespace)
         slot = self._take_slot(hit)
         if hit.length and slot != hit.slot:
             self._copy_rows(hit.slot, slot, hit.length)
-        self.pool.set_length(slot, hit.length)
         self.prefix.count(len(prompt_ids), hit.length)
         self.prefix.hold(ns, prompt_ids, slot)
         gen = request_generator(sampling, self.device)
@@ -89,10 +88,13 @@ class Engine:
         self._running[slot] = seq
         return seq
 
-    def prefix_hit(self, prompt_ids: list[int], namespace: str = "") -> Hit:
+    def prefix_hit(self, prompt_ids: list[int], namespace: str | None = None) -> Hit:
         """The longest prefix of the prompt (at most all but its last token) whose KV rows a slot holds now, and
-        what a running sequence's prefill will hold once its prompt is cached (``Hit.pending``)."""
-        return self.prefix.lookup(namespace, prompt_ids, self._usable)
+        what a running sequence's prefill will hold once its prompt is cached (``Hit.pending``). ``namespace`` None
+        is the default partition, and with ``cache.prefix_caching`` off finds nothing."""
+        if namespace is None and not self.prefix.enabled:
+            return Hit(None, 0)
+        return self.prefix.lookup(namespace or "", prompt_ids, self._usable)
 
     def _usable(self, slot: int) -> int:
         seq = self._running.get(slot)
@@ -132,9 +134,7 @@ class Engine:
             return  # released before
         del self._running[seq.slot]
         committed = min(seq.cache_len, len(seq.token_ids))
-        if cache and self.prefix.park(seq.namespace, seq.token_ids[:committed], seq.slot):
-            self.pool.set_length(seq.slot, committed)
-        else:
+        if not (cache and self.prefix.park(seq.namespace, seq.token_ids[:committed], seq.slot)):
             self.prefix.drop(seq.slot)
             self.pool.free(seq.slot)
 
@@ -269,7 +269,6 @@ class Engine:
         n = hidden.shape[0]
         self.pool.hidden[seq.slot, seq.cache_len:seq.cache_len + n] = hidden
         seq.cache_len += n
-        self.pool.set_length(seq.slot, seq.cache_len)
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

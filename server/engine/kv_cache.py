@@ -52,23 +52,16 @@ class KVCachePool:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self._lengths = [0] * num_slots  # cached tokens per slot, for usage reporting
 
     def allocate(self) -> int:
         if not self._free:
             raise NoFreeSlotError(f"all {self.num_slots} KV-cache slots are in use")
-        slot = self._free.pop()
-        self._lengths[slot] = 0
-        return slot
+        return self._free.pop()
 
     def free(self, slot: int) -> None:
         if slot in self._free or not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is not allocated")
-        self._lengths[slot] = 0
         self._free.append(slot)
-
-    def set_length(self, slot: int, n: int) -> None:
-        self._lengths[slot] = n
 
     @property
     def free_slots(self) -> int:
@@ -77,10 +70,6 @@ class KVCachePool:
     @property
     def slots_used(self) -> int:
         return self.num_slots - len(self._free)
-
-    def usage(self) -> float:
-        """Fraction of the pool's token capacity holding cached tokens (0..1)."""
-        return sum(self._lengths) / (self.num_slots * self.max_seq_len)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.hidden.nbytes

@@ -103,9 +103,8 @@ class Scheduler:
         PREFIX_WAIT_ROWS longer than what is cached now, and it has not waited PREFIX_WAIT_S yet."""
         if not req.prompt_ids or len(req.prompt_ids) >= self.engine.max_seq_len:
             return False  # admission reports the error
-        hit = self.engine.prefix_hit(req.prompt_ids, req.namespace or "") \
-            if req.namespace is not None or self.engine.prefix.enabled else None
-        if hit is None or hit.pending - hit.length < PREFIX_WAIT_ROWS:
+        hit = self.engine.prefix_hit(req.prompt_ids, req.namespace)
+        if hit.pending - hit.length < PREFIX_WAIT_ROWS:
             return False
         since = self._held.setdefault(rid, time.monotonic())
         return time.monotonic() - since < PREFIX_WAIT_S

@@ -39,7 +39,7 @@ def test_no_free_slot_then_release(tiny_engine):
     assert c.slot == a.slot
     for s in (b, c):
         tiny_engine.release(s)
-    assert tiny_engine.pool.slots_used == 0 and tiny_engine.pool.usage() == 0.0
+    assert tiny_engine.pool.slots_used == 0 and tiny_engine.kv_usage() == (0.0, 0.0)
 
 
 def test_limits_and_stop_tokens(tiny_engine):
