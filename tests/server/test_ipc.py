@@ -12,6 +12,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -44,8 +45,9 @@ class Burst:
 
     def __init__(self, server: ServerProcess, n: int = BURST, prompt_len: int = PROMPT_LEN):
         rng = random.Random(0)
+        salt = uuid.uuid4().hex  # a fresh prefix-cache namespace: no prompt of an earlier burst is cached
         self.bodies = [{"model": MODEL, "prompt": [rng.randrange(1000, 49000) for _ in range(prompt_len)],
-                        "max_tokens": 8, "stream": True} for _ in range(n)]
+                        "max_tokens": 8, "stream": True, "cache_salt": salt} for _ in range(n)]
         self.server = server
         self.statuses: list[int] = []
         self.loop = asyncio.new_event_loop()
@@ -85,7 +87,10 @@ def prefill_seconds(server: ServerProcess, repeats: int = 2) -> float:
     rng = random.Random(1)
     times = []
     for _ in range(repeats):
-        body = {"model": MODEL, "prompt": [rng.randrange(1000, 49000) for _ in range(PROMPT_LEN)], "max_tokens": 1}
+        # a fresh cache namespace each time: the same prompts measured again would hit the prefix cache and time
+        # one token, not a prefill
+        body = {"model": MODEL, "prompt": [rng.randrange(1000, 49000) for _ in range(PROMPT_LEN)], "max_tokens": 1,
+                "cache_salt": uuid.uuid4().hex}
         t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=300)
         assert r.status_code == 200, r.text

@@ -440,7 +440,10 @@ def test_e2e_n_choices_equal_n_seeded_requests(client):
     assert u.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     assert u.prompt_tokens_details.cached_tokens >= 0
-    assert u.model_extra["verify_steps"] == sum(s.usage.model_extra["verify_steps"] for s in singles)
+    # the verify steps are summed over the choices; how many each took depends on the batch it ran in (the draft
+    # gate weighs the batch's step cost), so only their bounds are fixed: each choice took at least one, and a step
+    # emits at least one token
+    assert 3 <= u.model_extra["verify_steps"] <= u.completion_tokens
 
 
 @pytest.mark.server
