@@ -8,6 +8,12 @@ A request with a seed draws each token by an exponential race keyed on (seed, po
 position and on nothing else, so a seeded request returns the same tokens whatever drafts were verified, whatever
 else shared its steps and whether the load-aware budget let it draft. A request without a seed keeps a generator
 (:func:`request_generator`) and speculative sampling's rejection rule, which accepts more of a sampled draft.
+
+Shaping, in this order (vLLM's): logit_bias -> penalties -> (greedy: argmax) -> temperature -> min_p -> top-k ->
+top-p. The first two depend on the request's history (:class:`Shaper`); the engine applies them to every tree row the
+acceptance walk visits with the state of that row's own path (the committed tokens plus the drafted tokens from the
+root to the row), so a speculative step shapes each position exactly as plain decoding would after the same tokens.
+The rest (:func:`target_probs`) depends on the row alone.
 """
 from __future__ import annotations
 
@@ -23,12 +29,24 @@ import torch
 GREEDY_TEMPERATURE = 1e-5
 
 
+MAX_LOGIT_BIAS = 100.0     # |bias| per token (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGPROBS = 20          # alternatives per position (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # below GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0            # 0 = off
     seed: int | None = None
+    min_p: float = 0.0        # drop tokens below min_p x the most likely one's probability (after temperature)
+    presence_penalty: float = 0.0   # subtracted once from every token generated so far (OpenAI, -2..2)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens (OpenAI, -2..2)
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits first
+    logprobs: int | None = None         # generated tokens' logprobs with this many alternatives; None: off
+    prompt_logprobs: int | None = None  # prompt tokens' logprobs (the first has none); None: off
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -37,20 +55,113 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError("repetition_penalty must be finite and > 0")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or tok < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to values in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (shaping then depends on the tokens so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the logits are shaped before the argmax / temperature (a bias or a penalty)."""
+        return self.penalized or bool(self.logit_bias)
+
+
+class Shaper:
+    """One request's logit_bias and penalties, with the counts of the tokens it has so far.
+
+    ``counts`` [V]: occurrences in the generated tokens (presence and frequency penalties); ``seen`` [V]: tokens of
+    the prompt or the generated tokens (repetition penalty). :meth:`__call__` shapes one row of logits for the state
+    after the committed tokens plus ``path`` (the drafted tokens between the committed ones and that row, root
+    excluded: the root is committed). Counts are exact small integers in float32, so a row shaped with (committed
+    + path) is bitwise the row plain decoding shapes once those tokens are committed."""
+
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
+        self.sp, self.vocab_size, self.device = sp, vocab_size, torch.device(device)
+        self.bias = None
+        if sp.logit_bias:
+            ids = [t for t, _ in sp.logit_bias]
+            if max(ids) >= vocab_size:
+                raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+            self.bias[torch.tensor(ids, device=self.device)] = torch.tensor(
+                [float(b) for _, b in sp.logit_bias], device=self.device)
+        self.counts = self.seen = None
+        if sp.penalized:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+            if sp.repetition_penalty != 1.0 and prompt_ids:
+                self.seen[torch.tensor(prompt_ids, device=self.device)] = True
+
+    def append(self, tokens: list[int]) -> None:
+        """Generated tokens were committed."""
+        if self.counts is not None and tokens:
+            idx = torch.tensor(tokens, device=self.device)
+            self.counts.index_add_(0, idx, torch.ones(len(tokens), device=self.device))
+            self.seen[idx] = True
+
+    def __call__(self, logits: torch.Tensor, path: list[int] = ()) -> torch.Tensor:
+        """[V] logits of one row -> [V] float32 logits after logit_bias and the penalties."""
+        x = logits.float()
+        if self.bias is not None:
+            x = x + self.bias
+        if self.counts is None:
+            return x
+        counts, seen = self.counts, self.seen
+        if path:
+            idx = torch.tensor(list(path), device=self.device)
+            counts = counts.index_add(0, idx, torch.ones(len(path), device=self.device))
+            seen = seen.clone()
+            seen[idx] = True
+        return penalize(x, counts, seen, self.sp)
+
+
+def penalize(x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """vLLM's penalties on float32 logits: the repetition penalty on every token seen (prompt or generated), then
+    frequency x count and presence x (count > 0) subtracted for generated tokens."""
+    r = sp.repetition_penalty
+    if r != 1.0:
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if sp.frequency_penalty:
+        x = x - sp.frequency_penalty * counts
+    if sp.presence_penalty:
+        x = x - sp.presence_penalty * (counts > 0).float()
+    return x
+
 
 def target_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """[N, V] logits -> [N, V] float32 probabilities after temperature, top-k and top-p (vLLM's order).
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, min_p, top-k and top-p (vLLM's order); the
+    logits are already shaped by the request's :class:`Shaper` where it has one.
 
     Only for sampled requests (``not sp.greedy``): greedy requests take the argmax.
     """
     if sp.greedy:
         raise ValueError(f"temperature {sp.temperature} decodes greedily; there is no distribution to sample")
     x = logits.float() / sp.temperature
+    if sp.min_p > 0.0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < sp.min_p * p.max(-1, keepdim=True).values, float("-inf"))
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[:, -1:]  # [N, 1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -60,6 +60,7 @@ class DrafterConfig:
 
 
 DRAFT_BUDGETS = ("goodput", "fixed")
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class ServerConfig:
     # rows per step: a row per decoding sequence, then prompt chunks (drafts come on top); null: measured
     max_step_tokens: int | None = None
     draft_budget: str = "goodput"  # goodput: draft rows per sequence by measured step cost and acceptance; fixed
+    # the log probabilities returned: raw = the model's log-softmax (before logit_bias, penalties and temperature,
+    # vLLM's default); processed = of the distribution a token was drawn from (after all of the request's shaping)
+    logprobs_mode: str = "raw"
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ class EngineConfig:
             raise ConfigError("server.max_step_tokens must be >= 1 (or null: from the measured step cost)")
         if self.server.draft_budget not in DRAFT_BUDGETS:
             raise ConfigError(f"server.draft_budget must be one of {DRAFT_BUDGETS}, got {self.server.draft_budget!r}")
+        if self.server.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"server.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                              f"got {self.server.logprobs_mode!r}")
         valid = drafter_names()
         if self.drafter.name not in valid:
             raise ConfigError(f"drafter.name: unknown drafter {self.drafter.name!r}; "

@@ -15,23 +15,62 @@ tried in order; child c with token x and draft distribution q_c is accepted with
 on rejection p <- norm(max(p - q_c, 0)) and the next sibling is tried. A point-mass child (no q) is the special case
 q_c = onehot(x): accept with probability p(x), else zero p(x) and renormalise. When no child is accepted, the bonus
 token is drawn from what is left of p.
+
+A request with a logit_bias or penalties reads its rows through :class:`ShapedRows`: row i shaped with the state after
+the committed tokens and the drafted tokens on the path from the root to i (``path_tokens``), the state plain
+decoding would shape that position with, so every rule above stays exact.
 """
 from __future__ import annotations
 
 import torch
 
-from core.sampling import race, token_clocks
+from core.sampling import SamplingParams, Shaper, race, target_probs, token_clocks
 from core.tree import DraftTree
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """Returns (accepted rows, root first; emitted tokens, bonus last). logits: [T+1, V]."""
+def path_tokens(tree: DraftTree, node: int) -> list[int]:
+    """The drafted tokens from the root to ``node``, root excluded (it is committed) and ``node`` included: what the
+    sequence holds past its committed tokens when the target reads row ``node``."""
+    path = []
+    while node > 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+class ShapedRows:
+    """A verified tree's target logits shaped for one request, each row when the acceptance walk first reads it:
+    ``rows[i]`` is row i's [V] float32 logits after the request's :class:`Shaper` with the path to i, or with ``sp``
+    given (a sampled request) its sampling distribution (``target_probs``)."""
+
+    def __init__(self, tree: DraftTree, logits: torch.Tensor, shaper: Shaper, sp: SamplingParams | None = None):
+        self.tree, self.logits, self.shaper, self.sp = tree, logits, shaper, sp
+        self.shape = logits.shape
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        row = self._rows.get(node)
+        if row is None:
+            row = self.shaper(self.logits[node], path_tokens(self.tree, node))
+            if self.sp is not None:
+                row = target_probs(row[None], self.sp)[0]
+            self._rows[node] = row
+        return row
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor | ShapedRows) -> tuple[list[int], list[int]]:
+    """Returns (accepted rows, root first; emitted tokens, bonus last). logits: [T+1, V], or a request's shaped rows
+    (each row's argmax taken when the walk reaches it)."""
+    if isinstance(logits, ShapedRows):
+        return follow(tree, lambda node, depth: int(logits[node].argmax()))
     best = logits.argmax(-1).tolist()  # [T+1]
     return follow(tree, lambda node, depth: best[node])
 
 
-def accept_seeded(tree: DraftTree, probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], list[int]]:
-    """Seeded sampling: follow the target's draws. probs: [T+1, V] shaped target distributions (see target_probs);
+def accept_seeded(tree: DraftTree, probs: torch.Tensor | ShapedRows, seed: int, position: int
+                  ) -> tuple[list[int], list[int]]:
+    """Seeded sampling: follow the target's draws. probs: [T+1, V] target distributions (see target_probs), or
+    ShapedRows;
     ``position``: the index of the token the root's row predicts (the sequence's length)."""
     vocab = probs.shape[-1]
     return follow(tree, lambda node, depth: race(probs[node], token_clocks(seed, position + depth, vocab))[0])
@@ -53,9 +92,10 @@ def follow(tree: DraftTree, choose) -> tuple[list[int], list[int]]:
         node = nxt
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator
+def accept_sampling(tree: DraftTree, probs: torch.Tensor | ShapedRows, generator: torch.Generator
                     ) -> tuple[list[int], list[int]]:
-    """Lossless tree speculative sampling. probs: [T+1, V] shaped target distributions (see target_probs)."""
+    """Lossless tree speculative sampling. probs: [T+1, V] target distributions (see target_probs), or
+    ShapedRows."""
     children = tree.children()
     q = tree.q
     sampled = tree.sampled_rows()

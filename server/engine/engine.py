@@ -17,13 +17,13 @@ from itertools import accumulate
 
 import torch
 
-from core.sampling import SamplingParams, race, request_generator, target_probs, token_clocks
+from core.sampling import SamplingParams, Shaper, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
 from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
-from server.engine.acceptance import accept_greedy, accept_sampling, accept_seeded
+from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention)
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
@@ -32,6 +32,8 @@ from server.engine.prefix_cache import Hit, PrefixCache
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
 from server.engine.step import SeqStep, StepPlan, StepResult
 from server.engine.target import Target, load_target
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows per LM-head call when a request wants prompt logprobs
 
 
 class Engine:
@@ -70,11 +72,18 @@ class Engine:
         V = self.model.args.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < V for t in prompt_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {V})")
-        if max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be >= 1")
         sampling = sampling or SamplingParams()
+        if max_new_tokens < 1 and not (max_new_tokens == 0 and sampling.prompt_logprobs is not None):
+            raise RequestError("max_new_tokens must be >= 1 (0 only to score the prompt: with prompt logprobs)")
+        shaper = None
+        if sampling.shaped:
+            try:
+                shaper = Shaper(sampling, prompt_ids, V, self.device)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         ns = "" if namespace is None else namespace
-        hit = self.prefix_hit(prompt_ids, namespace)
+        # prompt logprobs need every prompt row's logits: nothing cached is reused
+        hit = Hit(None, 0) if sampling.prompt_logprobs is not None else self.prefix_hit(prompt_ids, namespace)
         slot = self._take_slot(hit)
         if hit.length and slot != hit.slot:
             self._copy_rows(hit.slot, slot, hit.length)
@@ -84,7 +93,8 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
                        prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
-                       generator=gen, cache_len=hit.length, cached_tokens=hit.length, namespace=ns)
+                       generator=gen, cache_len=hit.length, cached_tokens=hit.length, namespace=ns, shaper=shaper,
+                       prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
         self._running[slot] = seq
         return seq
 
@@ -326,26 +336,62 @@ class Engine:
         logits = self.model.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
         accepted = [self._accept(seq, tree, logits[a:b]) for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
-        self._compact_many([(seq, rows) for (seq, _, _, _), (rows, _) in zip(trees, accepted)])
+        self._compact_many([(seq, rows) for (seq, _, _, _), (rows, _, _) in zip(trees, accepted)])
         steps = {}
-        for (seq, tree, drafted, draft_s), (rows, tokens), (a, b) in zip(trees, accepted, tree_spans):
-            out[seq.seq_id], num_accepted = self._finish_step(seq, tree, rows, tokens, hidden[a:b], seconds, drafted)
+        for (seq, tree, drafted, draft_s), (rows, tokens, lps), (a, b) in zip(trees, accepted, tree_spans):
+            out[seq.seq_id], num_accepted = self._finish_step(seq, tree, rows, tokens, lps, hidden[a:b], seconds,
+                                                              drafted)
             steps[seq.seq_id] = SeqStep(tree.num_draft, num_accepted, draft_s)
-        for (seq, _, _), (a, b) in zip(chunks, chunk_spans):
+        for (seq, start, n), (a, b) in zip(chunks, chunk_spans):
+            if seq.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, start, hidden[a:b])
             self._advance(seq, hidden[a:b])
             out[seq.seq_id] = []
         for row, (seq, _) in enumerate(completing, start=tree_rows):  # the prompt is cached: its first token
             out[seq.seq_id] = self._first_token(seq, logits[row:row + 1])
         return StepResult(out, steps, seconds)
 
-    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(accepted rows, emitted tokens) of one tree, with the sequence's own seed or generator."""
-        sp = seq.sampling
+    def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor
+                ) -> tuple[list[int], list[int], list | None]:
+        """(accepted rows, emitted tokens, their logprobs or None) of one tree, with the sequence's own seed or
+        generator, every row the walk reads shaped with its own path's state."""
+        sp, shaper = seq.sampling, seq.shaper
         if sp.greedy:
-            return accept_greedy(tree, logits)
-        if sp.seed is not None:
-            return accept_seeded(tree, target_probs(logits, sp), sp.seed, len(seq.token_ids))
-        return accept_sampling(tree, target_probs(logits, sp), seq.generator)
+            rows = logits if shaper is None else ShapedRows(tree, logits, shaper)
+            path, tokens = accept_greedy(tree, rows)
+        else:
+            rows = target_probs(logits, sp) if shaper is None else ShapedRows(tree, logits, shaper, sp)
+            if sp.seed is not None:
+                path, tokens = accept_seeded(tree, rows, sp.seed, len(seq.token_ids))
+            else:
+                path, tokens = accept_sampling(tree, rows, seq.generator)
+        if sp.logprobs is None:
+            return path, tokens, None
+        return path, tokens, self._token_logprobs(seq, logits, rows, path, tokens)
+
+    def _token_logprobs(self, seq: Sequence, logits: torch.Tensor, rows, path: list[int], tokens: list[int]
+                        ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Each emitted token's logprob, read from the row it was chosen at (``path[j]`` for ``tokens[j]``: a drafted
+        token's parent, the bonus token's last accepted row), never from a drafter's q: the model's log-softmax
+        (``server.logprobs_mode: raw``), or of what the token was chosen from after the request's shaping
+        (``processed``: shaped logits for greedy requests, the sampling distribution for sampled ones)."""
+        if self.cfg.server.logprobs_mode == "raw" or (rows is logits and seq.sampling.greedy):
+            lp = torch.log_softmax(logits[path].float(), -1)
+        elif seq.sampling.greedy:  # shaped rows
+            lp = torch.log_softmax(torch.stack([rows[r] for r in path]), -1)
+        else:
+            lp = torch.log(torch.stack([rows[r] for r in path]))
+        return logprob_entries(lp, tokens, seq.sampling.logprobs)
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Prompt rows [start, start + n) were computed: the logprob of each next prompt token under the model
+        (raw: prompt tokens are given, not drawn), in slices of PROMPT_LOGPROB_ROWS rows through the LM head."""
+        ids = seq.token_ids
+        n = min(hidden.shape[0], seq.prompt_len - 1 - start)  # the last prompt row predicts a generated token
+        for i in range(0, n, PROMPT_LOGPROB_ROWS):
+            j = min(n, i + PROMPT_LOGPROB_ROWS)
+            lp = torch.log_softmax(self.model.logits(hidden[i:j]).float(), -1)
+            seq.prompt_logprobs += logprob_entries(lp, ids[start + i + 1:start + j + 1], seq.sampling.prompt_logprobs)
 
     def _propose(self, seq: Sequence) -> DraftTree:
         t0 = time.perf_counter()
@@ -376,13 +422,13 @@ class Engine:
             src = self._long(rows) + seq.cache_len
             compact_kv(self.pool.k, self.pool.v, seq.slot, src, seq.cache_len)
 
-    def _finish_step(self, seq: Sequence, tree: DraftTree, rows: list[int], tokens: list[int], hidden: torch.Tensor,
-                     seconds: float, drafted: bool) -> tuple[list[int], int]:
-        """After compaction: the accepted rows' hidden states, the cache length, the emitted tokens, the stats, and
-        the drafter's observe -> (tokens emitted, draft tokens accepted)."""
+    def _finish_step(self, seq: Sequence, tree: DraftTree, rows: list[int], tokens: list[int], logprobs: list | None,
+                     hidden: torch.Tensor, seconds: float, drafted: bool) -> tuple[list[int], int]:
+        """After compaction: the accepted rows' hidden states, the cache length, the emitted tokens (and their
+        logprobs), the stats, and the drafter's observe -> (tokens emitted, draft tokens accepted)."""
         self._advance(seq, hidden[rows])
         result = VerifyResult(rows, tokens, tree.num_draft)
-        emitted = self._append(seq, tokens)
+        emitted = self._append(seq, tokens, logprobs)
         s = seq.stats
         s.verify_steps += 1
         s.draft_tokens += tree.num_draft
@@ -395,21 +441,30 @@ class Engine:
         return emitted, result.num_accepted
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
-        """The prompt is cached: sample the first token from the last prompt row's logits [1, V]."""
+        """The prompt is cached: sample the first token from the last prompt row's logits [1, V] (a request for 0
+        tokens, which only scores its prompt, ends here)."""
+        if seq.max_new_tokens == 0:
+            seq.finish_reason = "length"
+            return []
         sp = seq.sampling
+        rows = logits if seq.shaper is None else seq.shaper(logits[0])[None]
         if sp.greedy:
-            tok = int(logits.argmax(-1).item())
-        elif sp.seed is not None:
-            tok = race(target_probs(logits, sp)[0], token_clocks(sp.seed, len(seq.token_ids), logits.shape[-1]))[0]
+            tok = int(rows.argmax(-1).item())
         else:
-            tok = int(torch.multinomial(target_probs(logits, sp)[0], 1, generator=seq.generator).item())
-        emitted = self._append(seq, [tok])
+            rows = target_probs(rows, sp)
+            if sp.seed is not None:
+                tok = race(rows[0], token_clocks(sp.seed, len(seq.token_ids), logits.shape[-1]))[0]
+            else:
+                tok = int(torch.multinomial(rows[0], 1, generator=seq.generator).item())
+        lps = None if sp.logprobs is None else self._token_logprobs(seq, logits, rows, [0], [tok])
+        emitted = self._append(seq, [tok], lps)
         if seq.finish_reason is None:
             self.drafter.prefill(self.view(seq))
         return emitted
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append emitted tokens, stopping at a stop token, max_new_tokens or the end of the context."""
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
+        """Append emitted tokens (and their logprobs), stopping at a stop token, max_new_tokens or the end of the
+        context; the shaper counts them."""
         out = []
         for t in tokens:
             seq.token_ids.append(t)
@@ -420,6 +475,10 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 break
+        if logprobs is not None:
+            seq.logprobs += logprobs[:len(out)]
+        if seq.shaper is not None:
+            seq.shaper.append(out)
         return out
 
     # -- offline ---------------------------------------------------------------------------------------------------
@@ -436,3 +495,14 @@ class Engine:
         finally:
             self.release(seq)
         return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def logprob_entries(lp: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """[k, V] log probabilities and the k tokens chosen -> per token (its logprob, the ``top`` most likely tokens
+    at that position with theirs, most likely first)."""
+    idx = torch.tensor(tokens, device=lp.device)
+    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    if not top:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]

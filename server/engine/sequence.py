@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, Shaper
 from core.tree import MAX_TREE_ROWS
 from server.engine.kv_cache import KVCachePool
 
@@ -52,6 +52,11 @@ class Sequence:
     cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
     namespace: str = ""            # the prefix cache's partition its rows are indexed under
     stats: SeqStats = field(default_factory=SeqStats)
+    shaper: Shaper | None = None   # the request's logit_bias and penalties, with its token counts (None: neither)
+    # with sampling.logprobs set: one (logprob, [(token id, logprob), ...] most likely first) per generated token
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with sampling.prompt_logprobs set: the same per prompt token, None for the first (filled as chunks prefill)
+    prompt_logprobs: list | None = None
 
     @property
     def num_generated(self) -> int:

@@ -22,6 +22,17 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # The prefix-cache partition (API key and cache_salt): a request reuses only KV rows cached under the same
     # namespace. None: the engine's default partition (the API process always sends one).
     namespace: str | None = None
+    # Shaping (core.sampling.SamplingParams): min_p, the OpenAI penalties over generated tokens, vLLM's repetition
+    # penalty over prompt and generated tokens, and token id -> bias.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    # Log probabilities: None = off; k >= 0 = each generated token's (`logprobs`), or each prompt token's after the
+    # first (`prompt_logprobs`), with the k most likely alternatives at that position.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -58,6 +69,14 @@ class StepStats(msgspec.Struct, frozen=True):
     accepted_tokens: int  # draft tokens accepted (bonus excluded)
 
 
+class Logprob(msgspec.Struct, array_like=True, frozen=True):
+    """One position's log probabilities: the token's, and the `top` most likely tokens there, most likely first, as
+    (token id, logprob) pairs."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class Tokens(msgspec.Struct, tag="tokens", frozen=True):
     """Tokens emitted for one request by prefill or by one or more verify steps."""
 
@@ -66,6 +85,9 @@ class Tokens(msgspec.Struct, tag="tokens", frozen=True):
     steps: list[StepStats] = []
     finish_reason: str | None = None  # "stop" | "length" once the request is done
     usage: dict[str, float | int | str] | None = None  # final speculative stats, with the finish
+    logprobs: list[Logprob] = []  # one per token of `token_ids` when the request asked for logprobs
+    # with the request's first message when it asked for prompt logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class Failed(msgspec.Struct, tag="failed", frozen=True):

@@ -91,7 +91,7 @@ class Scheduler:
             del self.waiting[rid]
             self._held.pop(rid, None)
             try:
-                sp = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+                sp = sampling_params(req)
                 seq = engine.add(req.prompt_ids, sp, req.max_tokens, req.stop_token_ids, namespace=req.namespace)
             except (RequestError, ValueError) as e:
                 self.send(m.Failed(rid, str(e)))
@@ -103,6 +103,8 @@ class Scheduler:
         PREFIX_WAIT_ROWS longer than what is cached now, and it has not waited PREFIX_WAIT_S yet."""
         if not req.prompt_ids or len(req.prompt_ids) >= self.engine.max_seq_len:
             return False  # admission reports the error
+        if req.prompt_logprobs is not None:
+            return False  # it computes every prompt row itself
         hit = self.engine.prefix_hit(req.prompt_ids, req.namespace)
         if hit.pending - hit.length < PREFIX_WAIT_ROWS:
             return False
@@ -162,7 +164,12 @@ class Scheduler:
                 self.engine.release(seq)
                 self.budget.forget(seq)
                 usage = self._usage(seq)
-            self.send(m.Tokens(rid, tokens, stats, seq.finish_reason, usage))
+            lps = [m.Logprob(lp, top) for lp, top in seq.logprobs[len(seq.logprobs) - len(tokens):]] \
+                if seq.sampling.logprobs is not None and tokens else []
+            prompt_lps = None
+            if rid not in decoding and seq.prompt_logprobs is not None:  # the prompt's last chunk: its first message
+                prompt_lps = [None if e is None else m.Logprob(*e) for e in seq.prompt_logprobs]
+            self.send(m.Tokens(rid, tokens, stats, seq.finish_reason, usage, lps, prompt_lps))
 
     def status(self) -> None:
         """Send the gauges when they changed."""
@@ -173,3 +180,12 @@ class Scheduler:
         if now != self._last_status:
             self._last_status = now
             self.send(m.Status(*now))
+
+
+def sampling_params(req: m.Generate) -> SamplingParams:
+    """A request's sampling parameters (raises ValueError on values out of range)."""
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                          min_p=req.min_p, presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                          logit_bias=tuple(sorted(req.logit_bias.items())), logprobs=req.logprobs,
+                          prompt_logprobs=req.prompt_logprobs)
