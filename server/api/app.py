@@ -7,11 +7,12 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
 from server.api.errors import BodySizeLimitMiddleware, install_error_handlers
+from server.api.logprobs import TokenText
 from server.config import EngineConfig
 from server.metrics import Metrics
 from server.worker.process import WorkerClient
@@ -30,6 +31,10 @@ class ServerState:
     stop_token_ids: list[int]
     api_key: str | None
     created: int
+    token_text: TokenText = field(init=False)  # token strings and bytes, for log probabilities
+
+    def __post_init__(self):
+        self.token_text = TokenText(self.tokenizer)
 
 
 class OutcomeMiddleware:

@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._start = 0  # index in _ids where the decode window begins
         self._emitted = 0  # characters of decode(_ids[_start:]) already returned
+        self.holding = False  # whether the tokens so far end inside a character (its text is held back)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -43,6 +44,7 @@ class IncrementalDetokenizer:
         self._ids.extend(int(t) for t in token_ids)
         text = self._decode(self._ids[self._start:])
         complete = text.rstrip(REPLACEMENT)
+        self.holding = len(complete) < len(text)
         # The window's text before _emitted is stable: appending bytes only changes how the trailing incomplete
         # character decodes, and that part was never emitted.
         delta = complete[self._emitted:]
@@ -59,6 +61,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._start:])
         delta = text[self._emitted:]
         self._emitted = len(text)
+        self.holding = False
         return delta
 
 

@@ -3,10 +3,11 @@ UTF-8-safe text deltas, cut at stop strings, and keep the request's metrics.
 
 A request asks for `n` choices (`Choices`): n `Generation`s, one worker request each, with the same prompt and prefix
 cache namespace (`cache_namespace`), so the worker prefills the prompt once and the later choices copy its rows.
-`Choices.events()` yields `(index, Delta)` as any choice's text arrives; the routes shape them into OpenAI responses
-or SSE chunks. Whatever ends the iteration (finish, client disconnect, error), the worker hears an abort for every
-choice it still holds. A stop string ends its choice before the worker does: the text goes out at once, and `usage()`
-then waits (briefly) for the worker's answer to the abort, which carries the choice's speculative stats.
+`Choices.events()` yields `(index, Delta)` as any choice's text arrives, with the log probabilities of the tokens it
+carries when the request asked for them; the routes shape them into OpenAI responses or SSE chunks. Whatever ends the
+iteration (finish, client disconnect, error), the worker hears an abort for every choice it still holds. A stop
+string ends its choice before the worker does: the text goes out at once, and `usage()` then waits (briefly) for the
+worker's answer to the abort, which carries the choice's speculative stats.
 """
 from __future__ import annotations
 
@@ -73,10 +74,23 @@ class RequestClock:
             self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.t0)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's entry in a reply's log probabilities."""
+
+    token_id: int
+    logprob: float | None  # None: the prompt's first token (nothing precedes it)
+    top: list[tuple[int, float]] | None  # (id, log probability) of the most likely tokens there, most likely first
+    offset: int  # where the token's text starts in the choice's text (an echoed prompt included)
+
+
 @dataclass
 class Delta:
     text: str
     finish_reason: str | None = None
+    # None when the request did not ask for log probabilities; else the entries of the tokens whose text ends in
+    # this delta's text or before it (possibly none)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -90,19 +104,27 @@ class Generation:
     request_id: str = field(default_factory=lambda: new_request_id("req"))
     namespace: str | None = None  # the prefix-cache partition (cache_namespace)
     clock: RequestClock | None = None  # the request's, shared by its choices (`Choices`); None: one of its own
+    echo: str | None = None  # the prompt's text, to start the choice's text with (completions' `echo`)
     completion_tokens: int = 0  # tokens whose text the reply returned (up to the one that completed a stop string)
     finish_reason: str | None = None
     spec_usage: dict | None = None
     _done: bool = False          # the worker no longer holds the request (or has been told to drop it)
     _stats_pending: bool = False  # stopped early: the worker's answer to the abort has the stats
+    _prompt_only: bool = False  # no tokens and no prompt log probabilities asked: nothing for the worker to do
 
     def submit(self) -> None:
         """Hand the request to the worker (raises APIError 503 when the worker is gone)."""
         s = self.sampling
-        req = m.Generate(self.request_id, self.prompt_ids, s["max_tokens"], s["temperature"], s["top_p"],
-                         s["top_k"], s["seed"], self.stop_token_ids, namespace=self.namespace)
         if self.clock is None:
             self.clock = RequestClock(self.metrics)
+        if s["max_tokens"] == 0 and s["prompt_logprobs"] is None:  # an echo of the prompt alone
+            self._prompt_only = self._done = True
+            return
+        req = m.Generate(self.request_id, self.prompt_ids, s["max_tokens"], s["temperature"], s["top_p"],
+                         s["top_k"], s["seed"], self.stop_token_ids, namespace=self.namespace, min_p=s["min_p"],
+                         presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
+                         repetition_penalty=s["repetition_penalty"], logit_bias=s["logit_bias"],
+                         logprobs=s["logprobs"], prompt_logprobs=s["prompt_logprobs"])
         try:
             self.queue = self.worker.submit(req)
         except WorkerDied:
@@ -132,9 +154,39 @@ class Generation:
         return now
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """The choice's text as it becomes final, cut at a stop string; an echoed prompt first.
+
+        With log probabilities asked for, each token's entry goes out with the delta that carries the end of its
+        text (the last of its bytes): text the detokenizer (a character split across tokens) or the stop matcher (a
+        possible stop string) holds back holds its tokens' entries too, and tokens after the one that completed a
+        stop string have none. The echoed prompt's entries go out with it."""
+        want = self.sampling["logprobs"] is not None
+        if self._prompt_only:
+            self.finish_reason = "length"
+            yield Delta(self.echo or "", "length")
+            return
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringMatcher(self.sampling.get("stop") or [])
         ends: list[int] = []  # ends[i]: characters of text once token i (or its message, without stops) was decoded
+        whole: list[bool] = []  # whole[i]: the bytes through token i end on a character boundary
+        entries: list[TokenLogprob] = []  # every generated token's, when wanted
+        prompt_entries: list[TokenLogprob] = []  # the echoed prompt's, until sent
+        released = 0  # of `entries`, those sent
+        sent = 0  # characters of generated text sent
+        base = len(self.echo or "")  # generated text starts after the echoed prompt
+        head = self.echo  # the echoed prompt, sent with the first message's text
+        # one token at a time where a stop string or a log probability's text offset must be located to its token
+        per_token = bool(stops.stops) or want
+
+        def release(upto: int) -> list[TokenLogprob] | None:
+            """The entries of the first `upto` generated tokens not sent yet, the prompt's before them."""
+            nonlocal released, prompt_entries
+            if not want:
+                return None
+            out = prompt_entries + entries[released:upto]
+            prompt_entries, released = [], max(released, upto)
+            return out
+
         last = None
         try:
             while True:
@@ -145,12 +197,22 @@ class Generation:
                 if msg.token_ids:
                     last = self._count_tokens(len(msg.token_ids), last)
                 text = ""
-                # one token at a time where a stop string must be located to its token; else one decode per message
-                for group in ([[t] for t in msg.token_ids] if stops.stops else [msg.token_ids]):
+                if head is not None:
+                    text, head = head, None
+                    if want:
+                        prompt_entries = self._prompt_entries(msg.prompt_logprobs)
+                echoed = len(text)  # the echo is never matched against stop strings
+                for group in ([[t] for t in msg.token_ids] if per_token else [msg.token_ids]):
                     if group:
                         piece = detok.add(group)
                         text += piece
                         ends.extend([(ends[-1] if ends else 0) + len(piece)] * len(group))
+                        whole.extend([not detok.holding] * len(group))
+                if want:
+                    first = len(ends) - len(msg.token_ids)
+                    for i, (t, lp) in enumerate(zip(msg.token_ids, _sized(msg.logprobs, len(msg.token_ids))),
+                                                first):
+                        entries.append(TokenLogprob(t, lp.logprob, list(lp.top), base + (ends[i - 1] if i else 0)))
                 if msg.finish_reason:
                     self._done = True
                     self.spec_usage = msg.usage
@@ -158,10 +220,11 @@ class Generation:
                     text += tail
                     if ends:
                         ends[-1] += len(tail)
-                out, stopped = stops.feed(text)
+                out, stopped = stops.feed(text[echoed:])
+                out = text[:echoed] + out
                 if stopped:
                     self._stopped_early(stops.end, ends)
-                    yield Delta(out, "stop")
+                    yield Delta(out, "stop", release(self.completion_tokens))
                     return
                 if msg.finish_reason:
                     tail = stops.finish()  # may still complete a stop string that was waiting on a longer one
@@ -170,12 +233,30 @@ class Generation:
                     else:
                         self.completion_tokens = len(ends)
                         self.finish_reason = msg.finish_reason
-                    yield Delta(out + tail, self.finish_reason)
+                    yield Delta(out + tail, self.finish_reason, release(self.completion_tokens))
                     return
-                if out:
-                    yield Delta(out)
+                sent += len(out) - echoed
+                # the tokens whose text is all out, up to one that ends on a character boundary: one that ends inside
+                # a character waits for the token that completes it
+                upto = bisect.bisect_right(ends, sent)
+                while upto > released and not whole[upto - 1]:
+                    upto -= 1
+                logprobs = release(upto)
+                if out or logprobs:
+                    yield Delta(out, None, logprobs)
         finally:
             self.close()
+
+    def _prompt_entries(self, logprobs: list[m.Logprob | None] | None) -> list[TokenLogprob]:
+        """The echoed prompt's entries; text offsets from decoding the prompt a token at a time, special tokens
+        included (they are part of the echoed text)."""
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+        out, at = [], 0
+        for t, lp in zip(self.prompt_ids, _sized(logprobs, len(self.prompt_ids))):
+            out.append(TokenLogprob(t, None, None, at) if lp is None else
+                       TokenLogprob(t, lp.logprob, list(lp.top), at))
+            at += len(detok.add([t]))
+        return out
 
     def _stopped_early(self, stop_end: int, ends: list[int]) -> None:
         """A stop string ending at character `stop_end` ended the request: count the tokens up to the one that
@@ -247,14 +328,15 @@ class Choices:
 
     def __init__(self, worker: WorkerClient, tokenizer, metrics: Metrics, prompt_ids: list[int], sampling: dict,
                  stop_token_ids: list[int], n: int = 1, namespace: str | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, echo: str | None = None):
         self.request_id = request_id or new_request_id("req")
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.clock = RequestClock(metrics)
         self.gens = [Generation(worker, tokenizer, metrics, prompt_ids,
                                 {**sampling, "seed": choice_seed(sampling.get("seed"), i)}, stop_token_ids,
-                                request_id=f"{self.request_id}-{i}", namespace=namespace, clock=self.clock)
+                                request_id=f"{self.request_id}-{i}", namespace=namespace, clock=self.clock,
+                                echo=echo)
                      for i in range(n)]
 
     @property
@@ -312,6 +394,14 @@ class Choices:
     async def usage(self) -> dict:
         """The request's OpenAI usage (call once the events are done): `combine_usage` of the choices'."""
         return combine_usage(list(await asyncio.gather(*(g.usage() for g in self.gens))))
+
+
+def _sized(logprobs: list | None, n: int) -> list:
+    """The worker's log probabilities for `n` tokens, checked: one entry per token, or the reply would be wrong."""
+    if logprobs is None or len(logprobs) != n:
+        raise APIError(500, f"the worker sent {0 if logprobs is None else len(logprobs)} log probabilities for {n} "
+                       "tokens", "server_error", None, "internal_error")
+    return logprobs
 
 
 def _failure(msg: m.Failed) -> APIError:

@@ -13,11 +13,13 @@ whose messages are complete sentences.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -25,6 +27,13 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds travel to the worker as msgpack int64
 MAX_N = 128  # choices per request, OpenAI's limit (the server's KV slots may set a lower one: routes.py)
 MAX_CACHE_SALT_CHARS = 256
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # chat `top_logprobs`, OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, OpenAI's limit
+# A repetition penalty divides (or multiplies) a logit by the factor: 1e6 either way already saturates any logit, and
+# much further float32 breaks down (5e-324 is 0 there: a division by zero, infinite logits).
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # a canonical decimal id, at most 10 digits (int32)
 
 UNSUPPORTED = "unsupported_parameter"
 INVALID = "invalid_value"
@@ -37,6 +46,13 @@ def _unsupported(field: str, why: str) -> PydanticCustomError:
 
 def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError(INVALID, message)
+
+
+def _field_error(field: str, message: str, value: Any) -> ValidationError:
+    """An `invalid_value` error located at `field`, for checks made after every field is validated (a model
+    validator's own errors have no location)."""
+    return ValidationError.from_exception_data(
+        "request", [InitErrorDetails(type=_invalid(message), loc=(field,), input=value)])
 
 
 def _clean_text(value: str, what: str = "Strings") -> str:
@@ -52,23 +68,18 @@ def _clean_text(value: str, what: str = "Strings") -> str:
 _NO_TOOLS = "this server does not implement tool or function calling"
 # Fields accepted only at a value that leaves the result unchanged: name -> (is that value, why not otherwise).
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logprobs": (lambda v: not v, "log probabilities are not returned"),
-    "top_logprobs": (lambda v: v is None, "log probabilities are not returned"),
     "tools": (lambda v: v is None or v == [], _NO_TOOLS),
     "functions": (lambda v: v is None or v == [], _NO_TOOLS),
     "tool_choice": (lambda v: v is None or v == "none", _NO_TOOLS),
     "function_call": (lambda v: v is None or v == "none", _NO_TOOLS),
-    "presence_penalty": (lambda v: not v, "only 0 is accepted"),
-    "frequency_penalty": (lambda v: not v, "only 0 is accepted"),
-    "logit_bias": (lambda v: not v, "only an empty map is accepted"),
     "best_of": (lambda v: v is None or v == 1, "only best_of=1 is accepted"),
-    "echo": (lambda v: not v, "the prompt is not echoed"),
     "suffix": (lambda v: v is None or v == "", "insertion is not implemented"),
 }
 
 SafeStr = Annotated[str, AfterValidator(_clean_text)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_clean_text)]
-PositiveInt32 = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenLimit = Annotated[int, Field(ge=0, le=INT32_MAX)]  # 0 only with completions' echo: _SamplingRequest._limits
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 # -- requests ----------------------------------------------------------------------------------------------------
@@ -116,11 +127,18 @@ class _SamplingRequest(_Request):
     """The fields chat and text completions share."""
 
     model: SafeStr
-    max_tokens: PositiveInt32 | None = None
-    max_completion_tokens: PositiveInt32 | None = None
+    max_tokens: TokenLimit | None = None
+    max_completion_tokens: TokenLimit | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1  # extension: -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0  # extension (as in vLLM)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # extension (as in vLLM), over prompt and generated tokens
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                               allow_inf_nan=False)] = 1.0
+    logit_bias: dict[int, float] = {}
     ignore_eos: StrictBool = False  # extension (as in vLLM): keep generating past end-of-sequence, for benchmarks
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
@@ -130,16 +148,35 @@ class _SamplingRequest(_Request):
     user: SafeStr | None = None
     # extension (as in vLLM): requests reuse cached prompt KV only with requests of the same API key and salt
     cache_salt: CacheSalt | None = None
-    # Accepted only at their neutral values (see _NEUTRAL).
-    logprobs: Any = None
-    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    logit_bias: dict[str, Any] | None = None
 
-    @field_validator("temperature", "top_p", "top_k", "n", "stream", mode="before")
+    @field_validator("temperature", "top_p", "top_k", "n", "stream", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", mode="before")
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if v is None else v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_biases(cls, v: Any) -> Any:
+        """Token id strings ("123": JSON object keys are strings) to numbers in [-100, 100]. Keys are canonical
+        decimals, so no two spell the same id; whether an id is inside the vocabulary the route checks."""
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise _invalid("`logit_bias` must be an object mapping token ids to numbers.")
+        if len(v) > MAX_LOGIT_BIAS:
+            raise _invalid(f"`logit_bias` accepts at most {MAX_LOGIT_BIAS} tokens; it has {len(v)}.")
+        biases = {}
+        for key, bias in v.items():
+            shown = repr(key)[:24]
+            if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+                raise _invalid(f"`logit_bias` keys must be token ids written as decimal integers (\"123\"); got "
+                               f"{shown}.")
+            if type(bias) not in (int, float) or not -100 <= bias <= 100:  # NaN compares false
+                raise _invalid(f"`logit_bias` values must be numbers from -100 to 100; token {key} has "
+                               f"{repr(bias)[:24]}.")
+            biases[int(key)] = float(bias)
+        return biases
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -172,6 +209,20 @@ class _SamplingRequest(_Request):
             raise _invalid("`stream_options` is only allowed when `stream` is true.")
         return v
 
+    @model_validator(mode="after")
+    def _limits(self) -> "_SamplingRequest":
+        """A limit of 0 tokens asks for no completion: only completions' `echo` makes that a request (it scores
+        the prompt, with `logprobs`)."""
+        for name in ("max_tokens", "max_completion_tokens"):
+            if getattr(self, name) == 0 and not self._prompt_only_allowed():
+                raise _field_error(name, f"`{name}` must be at least 1 (0 is accepted only by completions with "
+                                   "`echo`, to return the prompt and its log probabilities).", 0)
+        return self
+
+    def _prompt_only_allowed(self) -> bool:
+        """Whether a limit of 0 tokens is a request (completions' `echo`)."""
+        return False
+
     @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
     def _neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
@@ -190,7 +241,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    top_logprobs: Any = None
+    logprobs: bool = False  # each generated token's log probability
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # and the k most likely there
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -208,6 +260,18 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _unsupported("response_format", "only type 'text' is accepted")
         return v
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("logprobs") is False:  # absent from data: `logprobs` failed itself
+            raise _invalid("`top_logprobs` needs `logprobs` set to true.")
+        return v
+
     def template_messages(self) -> list[dict[str, str]]:
         """The conversation as plain dicts, ready for ``tokenizer.apply_chat_template``."""
         return [{"role": m.role, "content": m.content} for m in self.messages]
@@ -218,9 +282,20 @@ class CompletionRequest(_SamplingRequest):
     ``[[ids]]``) is unwrapped, larger batches are rejected."""
 
     prompt: str | list[int]
-    echo: Any = None
+    # each generated token's log probability and the k most likely tokens there (0: the token's alone); with
+    # `echo`, each prompt token's too
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False  # the reply's text starts with the prompt
     suffix: Any = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    def _prompt_only_allowed(self) -> bool:
+        return self.echo
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -242,16 +317,31 @@ class CompletionRequest(_SamplingRequest):
 
 def sampling_from(req: _SamplingRequest) -> dict[str, Any]:
     """The internal sampling parameters of a validated request. ``temperature`` 0 means greedy, ``top_k`` 0 means
-    off, ``max_tokens`` None means "until a stop or the context limit"."""
+    off, ``max_tokens`` None means "until a stop or the context limit". ``logprobs`` is how many of the most likely
+    tokens to return beside each generated token's own log probability (None: none at all); ``prompt_logprobs`` the
+    same for each prompt token (completions with ``echo``)."""
     stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None
     return {
         "max_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
         "temperature": float(req.temperature),
         "top_p": float(req.top_p),
         "top_k": max(req.top_k, 0),
+        "min_p": float(req.min_p),
+        "presence_penalty": float(req.presence_penalty),
+        "frequency_penalty": float(req.frequency_penalty),
+        "repetition_penalty": float(req.repetition_penalty),
+        "logit_bias": dict(req.logit_bias),
         "seed": req.seed,
         "stop": stop,
         "ignore_eos": bool(req.ignore_eos),
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 

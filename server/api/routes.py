@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from server.api.errors import APIError, api_key_dependency, bearer_token
-from server.api.generation import Choices, cache_namespace
+from server.api.generation import Choices, TokenLogprob, cache_namespace
+from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
 from server.tokenization import encode_chat, encode_text
 from server.worker.process import new_request_id
@@ -39,10 +40,10 @@ def _check_model(s, model: str) -> None:
                        "invalid_request_error", "model", "model_not_found")
 
 
-def _prepare(s, request: Request, req, prompt_ids: list[int]) -> Choices:
-    """Context checks, admission control, and submission of the request's n choices to the worker. (No check for a
-    draining server: on SIGTERM uvicorn closes the listening socket and every idle connection first, so no new
-    request reaches a route.)"""
+def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None = None) -> Choices:
+    """Vocabulary and context checks, admission control, and submission of the request's n choices to the worker
+    (`echo`: the prompt text each choice's text starts with). (No check for a draining server: on SIGTERM uvicorn
+    closes the listening socket and every idle connection first, so no new request reaches a route.)"""
     choices = req.n
     slots = s.worker.ready.num_slots
     if choices > slots:
@@ -52,6 +53,11 @@ def _prepare(s, request: Request, req, prompt_ids: list[int]) -> Choices:
     if not s.worker.alive:
         raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
     sampling = sampling_from(req)
+    vocab = s.worker.ready.vocab_size
+    outside = sorted(t for t in sampling["logit_bias"] if t >= vocab)
+    if outside:
+        raise APIError(400, f"`logit_bias` names token {outside[0]}, outside this model's vocabulary [0, {vocab}).",
+                       "invalid_request_error", "logit_bias", "invalid_value")
     ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
     if n >= ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
@@ -71,20 +77,22 @@ def _prepare(s, request: Request, req, prompt_ids: list[int]) -> Choices:
     namespace = cache_namespace(bearer_token(request), req.cache_salt, s.cfg.cache.prefix_caching, request_id)
     group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids, {**sampling, "max_tokens": max_tokens},
                     [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
-                    request_id=request_id)
+                    request_id=request_id, echo=echo)
     group.submit()
     return group
 
 
-async def _collect(request: Request, group: Choices) -> tuple[list[str], dict] | None:
-    """Run a non-streaming request to the end: (each choice's text, usage); None if the client went away (every
-    choice is aborted)."""
-    async def consume() -> tuple[list[str], dict]:
+async def _collect(request: Request, group: Choices) -> tuple[list[str], list[list[TokenLogprob]], dict] | None:
+    """Run a non-streaming request to the end: (each choice's text, each choice's log probability entries, usage);
+    None if the client went away (every choice is aborted)."""
+    async def consume() -> tuple[list[str], list[list[TokenLogprob]], dict]:
         texts: list[list[str]] = [[] for _ in range(group.n)]
+        entries: list[list[TokenLogprob]] = [[] for _ in range(group.n)]
         async with aclosing(group.events()) as events:
             async for i, d in events:
                 texts[i].append(d.text)
-        return ["".join(t) for t in texts], await group.usage()
+                entries[i].extend(d.logprobs or ())
+        return ["".join(t) for t in texts], entries, await group.usage()
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -110,8 +118,9 @@ def _sse(obj) -> str:
 
 def _stream(request: Request, group: Choices, chunk: Callable[..., dict], include_usage: bool,
             first: dict | None) -> StreamingResponse:
-    """SSE: optional role chunks (one per choice), the choices' text deltas interleaved as they arrive and a finish
-    chunk per choice (each chunk names its choice's `index`), an optional usage chunk, then [DONE].
+    """SSE: optional role chunks (one per choice), the choices' text deltas interleaved as they arrive (with the log
+    probabilities of the tokens whose text they complete) and a finish chunk per choice (each chunk names its
+    choice's `index`), an optional usage chunk, then [DONE].
 
     An error after the stream started goes out as a final `data: {"error": ...}` event, without [DONE].
     """
@@ -125,8 +134,8 @@ def _stream(request: Request, group: Choices, chunk: Callable[..., dict], includ
                     yield _sse(chunk(i, first, None))
             async with aclosing(group.events()) as deltas:
                 async for i, d in deltas:
-                    if d.text:
-                        yield _sse(chunk(i, {"content": d.text} if first is not None else d.text, None))
+                    if d.text or d.logprobs:
+                        yield _sse(chunk(i, {"content": d.text} if first is not None else d.text, None, d.logprobs))
                     if d.finish_reason:
                         yield _sse(chunk(i, {} if first is not None else "", d.finish_reason))
             if include_usage:
@@ -147,11 +156,17 @@ async def _respond(request: Request, req, group: Choices, chat: bool):
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + group.request_id.split("-", 1)[1],
             "created": int(time.time()), "model": s.model_name}
     piece_key = "delta" if chat else "text"
+    with_logprobs = group.gens[0].sampling["logprobs"] is not None
+    shape_logprobs = chat_logprobs if chat else completion_logprobs
 
-    def chunk(index, piece, finish, usage=None) -> dict:
+    def logprobs(entries: list[TokenLogprob] | None) -> dict | None:
+        # None for a chunk without tokens (role, finish, usage), and whenever they were not asked for
+        return shape_logprobs(entries, s.token_text) if with_logprobs and entries is not None else None
+
+    def chunk(index, piece, finish, entries=None, usage=None) -> dict:
         # piece: a delta dict (chat) or a text (completions); None for the closing usage-only chunk
         choices = [] if piece is None else [{"index": index, piece_key: piece, "finish_reason": finish,
-                                             "logprobs": None}]
+                                             "logprobs": logprobs(entries)}]
         out = {**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": choices}
         if req.include_usage:
             out["usage"] = usage
@@ -163,10 +178,10 @@ async def _respond(request: Request, req, group: Choices, chat: bool):
     result = await _collect(request, group)
     if result is None:
         return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
-    texts, usage = result
+    texts, entries, usage = result
     choices = []
     for i, (text, gen) in enumerate(zip(texts, group.gens)):
-        choice = {"index": i, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice = {"index": i, "finish_reason": gen.finish_reason, "logprobs": logprobs(entries[i])}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
@@ -193,7 +208,10 @@ async def completions(req: CompletionRequest, request: Request, _: Auth):
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
                            None)
-    return await _respond(request, req, _prepare(s, request, req, prompt_ids), chat=False)
+    echo = None
+    if req.echo:  # the prompt as sent; token ids as they decode, special tokens included
+        echo = req.prompt if isinstance(req.prompt, str) else s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    return await _respond(request, req, _prepare(s, request, req, prompt_ids, echo), chat=False)
 
 
 @router.get("/v1/models", tags=["models"], response_model=ModelList)

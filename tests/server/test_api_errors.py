@@ -47,9 +47,17 @@ CHAT_CASES = [
     ({"messages": MSG, "n": 129}, "n"),
     ({"messages": MSG, "n": 5}, "n"),  # more choices than the server's 4 KV slots
     ({"messages": MSG, "cache_salt": 7}, "cache_salt"),
-    ({"messages": MSG, "logprobs": True}, "logprobs"),
-    ({"messages": MSG, "presence_penalty": 0.5}, "presence_penalty"),
-    ({"messages": MSG, "frequency_penalty": 1}, "frequency_penalty"),
+    ({"messages": MSG, "logprobs": 1}, "logprobs"),
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": MSG, "frequency_penalty": True}, "frequency_penalty"),
+    ({"messages": MSG, "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": MSG, "min_p": 1.5}, "min_p"),
+    ({"messages": MSG, "logit_bias": {"1.5": 1}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"49152": 1}}, "logit_bias"),  # the model's vocabulary ends at 49151
+    ({"messages": MSG, "max_tokens": 0, "echo": True}, "max_tokens"),
     ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": MSG, "seed": "x"}, "seed"),
@@ -65,7 +73,11 @@ def test_chat_validation_errors(server, body, param):
 
 def test_completion_validation_errors(server):
     for body, param in [({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-                        ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "echo": True}, "echo")]:
+                        ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "echo": 1}, "echo"),
+                        ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+                        ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+                        ({"prompt": "x", "best_of": 2}, "best_of"),
+                        ({"prompt": "x", "logit_bias": {"49152": 0}}, "logit_bias")]:
         err = check(post(server, "/v1/completions", {"model": "SmolLM2-135M-Instruct", **body}), 400,
                     "invalid_request_error")
         assert err["param"].startswith(param), err

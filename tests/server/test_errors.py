@@ -106,7 +106,18 @@ def test_wrong_content_type_is_400(client):
     ({"n": "2"}, "n", "invalid_type"),
     ({"cache_salt": 3}, "cache_salt", "invalid_type"),
     ({"cache_salt": ""}, "cache_salt", "invalid_value"),
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ({"logprobs": 1}, "logprobs", "invalid_type"),
+    ({"top_logprobs": 3}, "top_logprobs", "invalid_value"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ({"min_p": "0.1"}, "min_p", "invalid_type"),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
     ({"stop": ["a"] * 5}, "stop", "invalid_value"),
     ({"model": None}, "model", None),
 ])
@@ -114,6 +125,16 @@ def test_wrong_field_is_400_with_param(client, patch, param, code):
     err = assert_error(client.post("/v1/chat/completions", json={**GOOD, **patch}, headers=AUTH), 400,
                        param=param, code=code)
     assert "secret" not in err["message"]
+
+
+@pytest.mark.parametrize("field, raw", [("logit_bias", b'{"1": NaN}'), ("logit_bias", b'{"1": -Infinity}'),
+                                        ("logit_bias", b'{"1": 1e999}'), ("presence_penalty", b"NaN"),
+                                        ("frequency_penalty", b"Infinity"), ("repetition_penalty", b"1e999"),
+                                        ("min_p", b"-Infinity")])
+def test_non_finite_json_numbers_are_400_with_param(client, field, raw):
+    """Python's JSON parser reads NaN, Infinity and overflowing literals as floats: they must not pass."""
+    body = json.dumps(GOOD)[:-1].encode() + b', "' + field.encode() + b'": ' + raw + b"}"
+    assert_error(client.post("/v1/chat/completions", content=body, headers={**AUTH, **JSON}), 400, param=field)
 
 
 def test_missing_field_is_400_with_param(client):

@@ -35,6 +35,17 @@ def numeric(*valid):
     return st.one_of(*valid, edge_numbers, json_values)
 
 
+# logit_bias: ids in and out of the vocabulary (49152 tokens) and of int32, keys that are not canonical decimals,
+# biases around the [-100, 100] bounds, and maps at and past the 300-entry limit.
+bias_keys = st.one_of(st.integers(-3, 49160).map(str), st.sampled_from(
+    ["", "1.5", "1e3", "abc", "+1", "-1", "01", " 1", "1 ", "49151", "49152", "2147483647", "2147483648", "\u0661"]),
+    st.text(max_size=4))
+bias_values = numeric(st.floats(-101, 101), st.integers(-101, 101), st.sampled_from([-100, 100, -100.0, 100.0]))
+logit_bias = st.one_of(
+    st.dictionaries(bias_keys, bias_values, max_size=5),
+    st.builds(lambda n, v: {str(i): v for i in range(n)}, st.sampled_from([299, 300, 301, 5000]),
+              st.sampled_from([-100, 0.5, 100.0, 101])))
+
 # max_tokens is always present and small (or invalid): a valid body without it would generate to the context end.
 # Its edge values are either invalid types or over the context (400), never a long generation.
 small_max_tokens = st.one_of(st.integers(-3, 4), st.text(max_size=3), st.booleans(), st.floats(-1, 4),
@@ -45,9 +56,11 @@ sampling_fields = {
     "top_k": numeric(st.integers(-3, 100)),
     "seed": numeric(st.integers(-2**70, 2**70)),
     "n": numeric(st.integers(-1, 5), st.sampled_from([128, 129])),  # the server has 4 KV slots
-    "presence_penalty": numeric(st.floats(-2, 2)),
-    "frequency_penalty": numeric(st.floats(-2, 2)),
-    "logprobs": numeric(st.booleans(), st.integers(0, 5)),
+    "presence_penalty": numeric(st.floats(-2.5, 2.5), st.sampled_from([-2.0, 2.0])),
+    "frequency_penalty": numeric(st.floats(-2.5, 2.5), st.sampled_from([-2.0, 2.0])),
+    "repetition_penalty": numeric(st.floats(-1, 3), st.floats(0, 1e-5), st.sampled_from([1e-6, 1e6, 1.1e6])),
+    "min_p": numeric(st.floats(-0.5, 1.5), st.floats(0, 1e-4), st.sampled_from([0.0, 1.0])),
+    "logit_bias": st.one_of(logit_bias, json_values),
     "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=6), json_values),
     "stream": st.one_of(st.booleans(), json_values),
     "ignore_eos": st.one_of(st.booleans(), json_values),
@@ -56,14 +69,16 @@ sampling_fields = {
 chat_body = st.fixed_dictionaries(
     {"model": st.one_of(st.just("SmolLM2-135M-Instruct"), st.text(max_size=8)), "max_tokens": small_max_tokens},
     optional={"messages": st.one_of(st.lists(message, max_size=3), json_values),
-              "max_completion_tokens": small_max_tokens, "top_logprobs": numeric(st.integers(0, 5)),
-              **sampling_fields, "extra_field": json_values})
+              "max_completion_tokens": small_max_tokens, **sampling_fields,
+              "logprobs": st.one_of(st.booleans(), json_values), "top_logprobs": numeric(st.integers(-1, 22)),
+              "extra_field": json_values})
 completion_body = st.fixed_dictionaries(
     {"model": st.just("SmolLM2-135M-Instruct"),
      "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 60000), max_size=6),
                          st.lists(st.sampled_from(EDGE_INTS), min_size=1, max_size=3), json_values),
      "max_tokens": small_max_tokens},
-    optional={**sampling_fields, "echo": json_values, "best_of": numeric(st.integers(-1, 3)),
+    optional={**sampling_fields, "logprobs": numeric(st.booleans(), st.integers(-1, 7)),
+              "echo": st.one_of(st.booleans(), json_values), "best_of": numeric(st.integers(-1, 3)),
               "suffix": json_values})
 
 
@@ -88,15 +103,16 @@ def test_fuzz_completions(server, body):
 
 
 # Bodies valid but for one to three numeric fields, so the edge numbers that pass validation reach the engine.
-NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty", "best_of",
-                  "logprobs", "max_tokens")
+NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "seed", "n", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_p", "best_of", "logprobs", "max_tokens")
 VALID_BODY = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 2}
 
 
 @st.composite
 def numeric_body(draw):
+    """With `echo` or not: with it, `max_tokens` 0 and `logprobs` score the prompt."""
     fields = draw(st.lists(st.sampled_from(NUMERIC_FIELDS), min_size=1, max_size=3, unique=True))
-    return {**VALID_BODY, **{f: draw(edge_numbers) for f in fields}}
+    return {**VALID_BODY, "echo": draw(st.booleans()), **{f: draw(edge_numbers) for f in fields}}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

@@ -46,10 +46,13 @@ def test_chat_text_parts_are_joined():
 
 def test_unknown_fields_ignored_and_null_means_default():
     req = chat(foo=1, metadata={"x": 1}, temperature=None, top_p=None, n=None, stream=None, top_k=None,
-               logprobs=False, top_logprobs=None, presence_penalty=0, frequency_penalty=0.0, logit_bias={},
-               response_format={"type": "text"}, tools=[], tool_choice="none", user="u")
+               logprobs=None, top_logprobs=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
+               min_p=None, repetition_penalty=None, response_format={"type": "text"}, tools=[], tool_choice="none",
+               user="u")
     assert (req.temperature, req.top_p, req.n, req.stream, req.top_k) == (1.0, 1.0, 1, False, -1)
     assert not hasattr(req, "foo")
+    assert sampling_from(req) == sampling_from(chat())
+    assert sampling_from(completion(logprobs=None, echo=None)) == sampling_from(completion())
 
 
 def test_n_and_cache_salt():
@@ -78,23 +81,84 @@ def test_completion_prompts(prompt, expected):
 
 
 def test_completion_neutral_extras_accepted():
-    req = completion(echo=False, suffix=None, best_of=1, logprobs=0, max_tokens=5)
-    assert req.max_tokens == 5
+    req = completion(echo=False, suffix=None, best_of=1, max_tokens=5)
+    assert req.max_tokens == 5 and sampling_from(req) == sampling_from(completion(max_tokens=5))
+    assert completion(suffix="").max_tokens is None
+
+
+# Values at the documented bounds are accepted (and reach the worker as sent).
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", -2), ("presence_penalty", 2.0), ("presence_penalty", 0), ("presence_penalty", -0.0),
+    ("presence_penalty", 5e-324), ("frequency_penalty", -2.0), ("frequency_penalty", 2), ("frequency_penalty", -5e-324),
+    ("min_p", 0), ("min_p", 1), ("min_p", 5e-324), ("min_p", 0.05),
+    ("repetition_penalty", 1e-6), ("repetition_penalty", 1e6), ("repetition_penalty", 1), ("repetition_penalty", 1.3),
+])
+def test_shaping_bounds_accepted(field, value):
+    for build in (chat, completion):
+        assert sampling_from(build(**{field: value}))[field] == float(value)
+
+
+@pytest.mark.parametrize("bias, expected", [
+    ({}, {}),
+    ({"0": 0}, {0: 0.0}),
+    ({"12": -100, "2147483647": 100.0, "7": 5e-324, "9": -0.5}, {12: -100.0, 2147483647: 100.0, 7: 5e-324, 9: -0.5}),
+    ({str(i): 1 for i in range(300)}, {i: 1.0 for i in range(300)}),
+])
+def test_logit_bias_accepted(bias, expected):
+    got = sampling_from(completion(logit_bias=bias))["logit_bias"]
+    assert got == expected and all(type(k) is int and type(v) is float for k, v in got.items())
+    assert sampling_from(chat(logit_bias=bias))["logit_bias"] == expected
+
+
+def test_logprob_fields_to_counts():
+    """Chat: `logprobs` on, `top_logprobs` alternatives (none by default); completions: `logprobs` = alternatives,
+    0 = the chosen token's alone, and with `echo` the same for the prompt."""
+    def counts(req):
+        s = sampling_from(req)
+        return s["logprobs"], s["prompt_logprobs"]
+
+    assert counts(chat()) == counts(chat(logprobs=False)) == (None, None)
+    assert counts(chat(logprobs=True)) == counts(chat(logprobs=True, top_logprobs=None)) == (0, None)
+    assert counts(chat(logprobs=True, top_logprobs=0)) == (0, None)
+    assert counts(chat(logprobs=True, top_logprobs=20)) == (20, None)
+    assert counts(completion()) == counts(completion(echo=True)) == (None, None)
+    assert counts(completion(logprobs=0)) == (0, None)
+    assert counts(completion(logprobs=5)) == (5, None)
+    assert counts(completion(logprobs=2, echo=True)) == (2, 2)
+    assert counts(completion(logprobs=0, echo=True)) == (0, 0)
+
+
+def test_zero_tokens_only_with_echo():
+    """Scoring a prompt (evaluation harnesses): echo, max_tokens 0 and logprobs on completions."""
+    assert sampling_from(completion(echo=True, max_tokens=0, logprobs=1))["max_tokens"] == 0
+    assert sampling_from(completion(echo=True, max_completion_tokens=0))["max_tokens"] == 0
+    assert sampling_from(completion(echo=True, max_tokens=3))["max_tokens"] == 3
 
 
 # -- sampling_from -----------------------------------------------------------------------------------------------
+NEUTRAL_SHAPING = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                   "logit_bias": {}, "logprobs": None, "prompt_logprobs": None}
+
+
 def test_sampling_from_defaults():
     assert sampling_from(chat()) == {"max_tokens": None, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                                     "seed": None, "stop": [], "ignore_eos": False}
+                                     "seed": None, "stop": [], "ignore_eos": False, **NEUTRAL_SHAPING}
+    assert sampling_from(completion()) == sampling_from(chat())
 
 
 def test_sampling_from_values():
     req = chat(max_completion_tokens=7, temperature=0, top_p=0.5, top_k=40, seed=-3, stop="\n\n")
     assert sampling_from(req) == {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5, "top_k": 40, "seed": -3,
-                                  "stop": ["\n\n"], "ignore_eos": False}
+                                  "stop": ["\n\n"], "ignore_eos": False, **NEUTRAL_SHAPING}
     assert sampling_from(completion(max_tokens=9, stop=["a", "b"], top_k=0)) == {
-        "max_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": ["a", "b"], "ignore_eos": False}
+        "max_tokens": 9, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": ["a", "b"],
+        "ignore_eos": False, **NEUTRAL_SHAPING}
     assert sampling_from(chat(max_tokens=4, max_completion_tokens=4))["max_tokens"] == 4
+    shaped = chat(min_p=0.1, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                  logit_bias={"5": -100, "6": 2.5}, logprobs=True, top_logprobs=3)
+    assert sampling_from(shaped) == {**sampling_from(chat()), "min_p": 0.1, "presence_penalty": 0.5,
+                                     "frequency_penalty": -1.0, "repetition_penalty": 1.2,
+                                     "logit_bias": {5: -100.0, 6: 2.5}, "logprobs": 3}
 
 
 # -- invalid requests name their field ---------------------------------------------------------------------------
@@ -149,12 +213,61 @@ def test_sampling_from_values():
     ({"stream": "true"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logprobs": True}, "logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0, "echo": True}, "max_tokens"),  # echo is a completions field: chat ignores it
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": "true"}, "logprobs"),
+    ({"logprobs": 0}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ({"presence_penalty": 2.0000000000000004}, "presence_penalty"),
+    ({"presence_penalty": -2.1}, "presence_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"presence_penalty": "0.5"}, "presence_penalty"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"frequency_penalty": True}, "frequency_penalty"),
-    ({"logit_bias": {"12": 5}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1.000001e6}, "repetition_penalty"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ({"min_p": -5e-324}, "min_p"),
+    ({"min_p": 1.0000000000000002}, "min_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"min_p": False}, "min_p"),
+    ({"logit_bias": {"12": 100.00000000000001}}, "logit_bias"),
+    ({"logit_bias": {"12": -101}}, "logit_bias"),
+    ({"logit_bias": {"12": float("nan")}}, "logit_bias"),
+    ({"logit_bias": {"12": float("inf")}}, "logit_bias"),
+    ({"logit_bias": {"12": 10**400}}, "logit_bias"),
+    ({"logit_bias": {"12": True}}, "logit_bias"),
+    ({"logit_bias": {"12": "5"}}, "logit_bias"),
+    ({"logit_bias": {"12": None}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(100_000)}}, "logit_bias"),
+    ({"logit_bias": [[12, 5]]}, "logit_bias"),
+    ({"logit_bias": "12:5"}, "logit_bias"),
+    ({"logit_bias": {"1.5": 1}}, "logit_bias"),
+    ({"logit_bias": {"1e3": 1}}, "logit_bias"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"+1": 1}}, "logit_bias"),
+    ({"logit_bias": {"": 1}}, "logit_bias"),
+    ({"logit_bias": {" 1": 1}}, "logit_bias"),
+    ({"logit_bias": {"1 ": 1}}, "logit_bias"),
+    ({"logit_bias": {"1\n": 1}}, "logit_bias"),
+    ({"logit_bias": {"01": 1}}, "logit_bias"),
+    ({"logit_bias": {"1_000": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u0661": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT ONE: int() would take it
+    ({"logit_bias": {"2147483648": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
@@ -162,7 +275,14 @@ def test_sampling_from_values():
     ({"function_call": "auto"}, "function_call"),
 ])
 def test_chat_errors_name_the_field(fields, loc):
-    assert error_of(chat, **fields)[0] == loc
+    where, kind = error_of(chat, **fields)
+    assert where == loc
+    assert loc not in ACCEPTED or kind != "unsupported_parameter"  # refused for its value only
+
+
+# Fields the server takes (rejected only for a bad value, never as unsupported).
+ACCEPTED = {"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+            "logit_bias", "echo", "max_tokens", "max_completion_tokens"}
 
 
 @pytest.mark.parametrize("fields, loc", [
@@ -175,10 +295,24 @@ def test_chat_errors_name_the_field(fields, loc):
     ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": "a\x00"}, "prompt"),
     ({"prompt": 5}, "prompt"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"echo": 1}, "echo"),
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 1.0}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),
+    ({"max_tokens": 0, "echo": False, "logprobs": 1}, "max_tokens"),
+    ({"max_completion_tokens": 0, "echo": None}, "max_completion_tokens"),
+    ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"max_tokens": 0, "max_completion_tokens": 1, "echo": True}, "max_completion_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"min_p": 2}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"n": 129}, "n"),
     ({"n": -1}, "n"),
     ({"cache_salt": 1.5}, "cache_salt"),
@@ -186,11 +320,17 @@ def test_chat_errors_name_the_field(fields, loc):
     ({"top_p": float("nan")}, "top_p"),
 ])
 def test_completion_errors_name_the_field(fields, loc):
-    assert error_of(completion, **fields)[0] == loc
+    where, kind = error_of(completion, **fields)
+    assert where == loc
+    assert loc not in ACCEPTED or kind != "unsupported_parameter"
 
 
 def test_unsupported_errors_have_their_own_type():
-    assert error_of(chat, logprobs=True) == ("logprobs", "unsupported_parameter")
+    assert error_of(completion, suffix="x") == ("suffix", "unsupported_parameter")
+    assert error_of(completion, best_of=2) == ("best_of", "unsupported_parameter")
+    assert error_of(chat, top_logprobs=1) == ("top_logprobs", "invalid_value")
+    assert error_of(chat, max_tokens=0) == ("max_tokens", "invalid_value")
+    assert error_of(chat, logit_bias={"-1": 0}) == ("logit_bias", "invalid_value")
     assert error_of(completion, prompt=["a", "b"]) == ("prompt", "unsupported_parameter")
     assert error_of(chat, stop="") == ("stop", "invalid_value")
 
