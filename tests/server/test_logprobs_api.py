@@ -594,6 +594,32 @@ def test_e2e_echo_usage_and_finish(client, tokenizer, stream):
 
 
 @pytest.mark.server
+def test_e2e_processed_logprobs_of_cut_tokens_are_minus_9999(tmp_path_factory, target32):
+    """`server.logprobs_mode: processed` with top_k 2: the tokens top-k cut off have probability 0 in the distribution
+    sampled from, so the 3rd and 4th most likely are reported at -9999.0, in strictly valid JSON, streamed or not."""
+    s = ServerProcess(tmp_path_factory.mktemp("processed"), num_slots=1, max_seq_len=512, dtype="float32",
+                      server_options={"logprobs_mode": "processed"}).wait_ready()
+    try:
+        for stream in (False, True):
+            body = {"model": SERVED, "messages": ASK, "max_tokens": 4, "temperature": 0.7, "top_k": 2, "seed": 1,
+                    "logprobs": True, "top_logprobs": 4, "stream": stream}
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, headers=s.headers, timeout=120)
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [strict_json(ln[6:]) for ln in r.text.split("\n") if ln and ln != "data: [DONE]"]
+                content = [e for _, es in chunk_entries(events) for e in es]
+            else:
+                content = strict_json(r.text)["choices"][0]["logprobs"]["content"]
+            assert len(content) == 4, stream
+            for e in content:
+                tops = [x["logprob"] for x in e["top_logprobs"]]
+                assert tops[2:] == [LOGPROB_FLOOR, LOGPROB_FLOOR] and all(LOGPROB_FLOOR < v <= 0 for v in tops[:2])
+                assert e["logprob"] in tops[:2]
+    finally:
+        s.stop()
+
+
+@pytest.mark.server
 def test_e2e_langchain_chat_openai_logprobs(live):
     llm = ChatOpenAI(base_url=live.url + "/v1", api_key=live.api_key, model=SERVED, logprobs=True, max_tokens=8,
                      temperature=0, max_retries=0)
