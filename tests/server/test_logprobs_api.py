@@ -261,6 +261,22 @@ def test_text_held_for_a_possible_stop_string_holds_its_entries(tokenizer, reply
     assert [e["token"] for e in next(es for t, es in pairs if " there" in t)] == [" there", ","]
 
 
+def test_each_choice_has_its_own_entries(tokenizer, texts, reply_ids):
+    """n = 3, streamed (chunks interleaved, each naming its choice) or not: every choice lists its own tokens."""
+    worker = ScriptWorker(split(reply_ids, [1, 2, 3, 50]))
+    with make_client(worker, tokenizer) as c:
+        full = call(c, "/v1/chat/completions", {**CHAT, "logprobs": True, "n": 3})
+        events = call(c, "/v1/chat/completions", {**CHAT, "logprobs": True, "n": 3}, stream=True)
+    want = [texts.text(t) for t in reply_ids]
+    assert [[e["token"] for e in ch["logprobs"]["content"]] for ch in full["choices"]] == [want] * 3
+    streamed = [[] for _ in range(3)]
+    for e in events:
+        for ch in e["choices"]:
+            if ch["logprobs"] is not None:
+                streamed[ch["index"]] += [x["token"] for x in ch["logprobs"]["content"]]
+    assert streamed == [want] * 3
+
+
 def test_chat_without_logprobs_has_null_logprobs(tokenizer, reply_ids):
     worker = ScriptWorker(split(reply_ids, [2, 2, 50]))
     with make_client(worker, tokenizer) as c:
