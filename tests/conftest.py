@@ -71,6 +71,18 @@ def target32(fp32_config):
 
 
 @pytest.fixture(scope="session")
+def int4(target32):
+    """(config, target): `make serve`'s target (the GGUF file's int4 on the qlinear kernel where the CPU has it) in
+    float32."""
+    from server.config import config_from_dict
+    from server.engine import load_target
+
+    cfg = config_from_dict({"model": {"source": "embedded", "dtype": "float32", "device": "cpu",
+                                      "quantization": "auto"}, "cache": {"num_slots": 2, "max_seq_len": 512}})
+    return cfg, load_target(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(target32):
     from server.model_files import load_tokenizer
 

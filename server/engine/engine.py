@@ -494,7 +494,8 @@ class Engine:
             t2 = time.perf_counter()
         finally:
             self.release(seq)
-        return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1)
+        return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1,
+                                logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs)
 
 
 def logprob_entries(lp: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -110,3 +110,5 @@ class GenerationOutput:
     stats: SeqStats
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    logprobs: list = field(default_factory=list)  # per token, with sampling.logprobs set (Sequence.logprobs)
+    prompt_logprobs: list | None = None

@@ -89,14 +89,16 @@ CASES: dict[str, Case] = {
 
 # -- the reference: transformers' forward + this file's own sampling transforms ---------------------------------------
 def shaped_probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """[..., V] logits -> float64 probabilities after temperature, top-k, then top-p (keep the smallest set of most
-    likely tokens whose mass reaches top_p), written from the definitions."""
+    """[..., V] logits -> float64 probabilities after temperature, min_p (drop tokens below min_p x the most
+    likely one's probability), top-k, then top-p (keep the smallest set of most likely tokens whose mass reaches
+    top_p), written from the definitions."""
     x = logits.astype(np.float64) / sp.temperature
     p = np.exp(x - x.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     flat, out = p.reshape(-1, p.shape[-1]), np.zeros(p.size).reshape(-1, p.shape[-1])
     for row, pr in enumerate(flat):
         order = np.argsort(-pr, kind="stable")
+        order = order[pr[order] >= sp.min_p * pr.max()]
         keep = order[:sp.top_k] if sp.top_k else order
         mass = pr[keep] / pr[keep].sum()
         if sp.top_p < 1.0:
@@ -118,9 +120,29 @@ def reference_logits(tiny_dir) -> np.ndarray:
     return logits.view(V, V, K, V).numpy()
 
 
+def penalised(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
+    """[V, V, K, V] reference logits -> the same after the request's logit_bias, then the repetition penalty on the
+    tokens of PROMPT and of the tokens generated before each position, then frequency x count and presence x
+    [count > 0] over the generated ones (vLLM's definitions), in float64."""
+    x = logits.astype(np.float64) + 0.0
+    for t, b in sp.logit_bias:
+        x[..., t] += b
+    for a in range(V):
+        for b in range(V):
+            for j in range(K):
+                generated = [a, b][:j]
+                row = x[a, b, j]
+                for t in set(PROMPT) | set(generated):
+                    if sp.repetition_penalty != 1.0:
+                        row[t] = row[t] / sp.repetition_penalty if row[t] > 0 else row[t] * sp.repetition_penalty
+                for t in set(generated):
+                    row[t] -= sp.frequency_penalty * generated.count(t) + sp.presence_penalty
+    return x
+
+
 def reference_joint(reference_logits: np.ndarray, sp: SamplingParams) -> torch.Tensor:
     """P(t1, t2, t3) [V, V, V] after PROMPT, under the request's shaping."""
-    p = shaped_probs(reference_logits, sp)
+    p = shaped_probs(penalised(reference_logits, sp) if sp.shaped else reference_logits, sp)
     p1, p2, p3 = p[0, 0, 0], p[:, 0, 1], p[:, :, 2]  # p(t1); p(t2 | t1) [V, V]; p(t3 | t1, t2) [V, V, V]
     return torch.from_numpy(p1[:, None, None] * p2[:, :, None] * p3)
 
@@ -417,3 +439,69 @@ def test_every_registered_drafter_has_a_case():
     assert not missing, f"drafters without a sampled-exactness case in {Path(__file__).name}: {missing}"
     assert set(CASES) <= set(drafter_names()), "a case for a drafter that is no longer registered"
     assert sorted(SEED_ORDER) == sorted(CASES), "each case needs its place in SEED_ORDER (new ones at the end)"
+
+
+# -- logit_bias, penalties and min_p: every tree row shaped with its own path's counts -------------------------------
+# Token 4 banned, 9 and 3 moved, penalties strong enough to reshape the tiny target's distributions at each position.
+SHAPING = dict(presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.4, min_p=0.02,
+               logit_bias=((3, -2.0), (4, -100.0), (9, 1.5)))
+N_SHAPED = 3000  # requests per drafter (half of N: the shaping cases' power is shown by the controls below)
+
+
+def shaped_case(name: str) -> SamplingParams:
+    return dataclasses.replace(CASES[name].sampling, **SHAPING)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sampling_with_penalties_and_bias_matches_the_target(name, tiny_dir, target, weight_files, reference_logits,
+                                                             monkeypatch):
+    """Penalties, logit_bias and min_p on: the drafts are shaped with each row's own path, so the sampled sequences
+    still follow the target's shaped distribution (the reference applies the same definitions to transformers'
+    logits after each prefix)."""
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    sp = shaped_case(name)
+    cov = Coverage()
+    monkeypatch.setattr(engine_module, "accept_sampling", recording(engine_module.accept_sampling, cov))
+    counts = sample_joint(engine, sp, N_SHAPED, seed_base(name, control=8))
+    joint = reference_joint(reference_logits, sp)
+    assert float(joint[4].sum() + joint[:, 4].sum() + joint[:, :, 4].sum()) == 0  # the banned token has no mass
+    pvalue = chi2_pvalue(counts, joint)
+    print(f"\n{name} shaped: p = {pvalue:.4g}; {cov}")
+    assert cov.accepted >= N_SHAPED // 20 and cov.deep_accepts > 0, cov
+    assert pvalue > 1e-3, f"{name}: shaped sampling does not follow the target's distribution (p = {pvalue:.3g})"
+
+
+def _bias_skipped_for_drafted_rows(self, node):
+    """ShapedRows.__getitem__ with the bias left out of every row past the root."""
+    path = acceptance_module.path_tokens(self.tree, node)
+    row = self.shaper(self.logits[node], path)
+    if node:
+        row = row - self.shaper.bias
+    return sampling_module.target_probs(row[None], self.sp)[0] if self.sp is not None else row
+
+
+@pytest.mark.parametrize("bug", ["root state everywhere", "root counted twice", "bias skipped for drafted rows"])
+def test_negative_control_shaping_bugs_are_caught(bug, tiny_dir, target, weight_files, reference_logits,
+                                                  monkeypatch):
+    """The bugs peers shipped: penalties computed with the committed state at every tree row, the root token
+    counted again for the drafted rows, the bias applied to the root row only."""
+    real = acceptance_module.path_tokens
+    if bug == "root state everywhere":
+        monkeypatch.setattr(acceptance_module, "path_tokens", lambda tree, node: [])
+    elif bug == "root counted twice":
+        monkeypatch.setattr(acceptance_module, "path_tokens",
+                            lambda tree, node: ([tree.tokens[0]] + real(tree, node)) if node else [])
+    else:
+        monkeypatch.setattr(acceptance_module.ShapedRows, "__getitem__", _bias_skipped_for_drafted_rows)
+    name = "glide-cape"
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    sp = shaped_case(name)
+    counts = sample_joint(engine, sp, N_CONTROL, seed_base(name, control=9))
+    joint = reference_joint(reference_logits, sp)
+    impossible = int(counts[joint == 0].sum())
+    if impossible:  # a banned token sampled: chi2_pvalue fails on it outright
+        with pytest.raises(AssertionError, match="probability zero"):
+            chi2_pvalue(counts, joint)
+    pvalue = chi2_pvalue(counts * (joint > 0), joint)
+    print(f"\n{name} ({bug}): p = {pvalue:.3g}; {impossible} of {N_CONTROL} with target probability 0")
+    assert impossible or pvalue < 1e-6

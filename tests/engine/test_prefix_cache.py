@@ -141,16 +141,6 @@ def _cache_off(cfg):
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False))
 
 
-@pytest.fixture(scope="module")
-def int4(target32):
-    """`make serve`'s target (the GGUF file's int4 on the qlinear kernel where the CPU has it) in float32."""
-    from server.engine import load_target
-
-    cfg = config_from_dict({"model": {"source": "embedded", "dtype": "float32", "device": "cpu",
-                                      "quantization": "auto"}, "cache": {"num_slots": 2, "max_seq_len": 512}})
-    return cfg, load_target(cfg, progress=False)
-
-
 def _cases(tokenizer, engine, stops):
     """(first turn, [(name, prompt)]): the same prompt again, the prompt plus a suffix, a second chat turn (the first
     turn's answer from plain decoding, as a chat client sends it back)."""
