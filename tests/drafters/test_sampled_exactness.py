@@ -467,7 +467,7 @@ def test_sampling_with_penalties_and_bias_matches_the_target(name, tiny_dir, tar
     assert float(joint[4].sum() + joint[:, 4].sum() + joint[:, :, 4].sum()) == 0  # the banned token has no mass
     pvalue = chi2_pvalue(counts, joint)
     print(f"\n{name} shaped: p = {pvalue:.4g}; {cov}")
-    assert cov.accepted >= N_SHAPED // 20 and cov.deep_accepts > 0, cov
+    assert cov.accepted >= N_SHAPED // 40 and cov.deep_accepts > 0, cov  # penalties cut copy drafts short
     assert pvalue > 1e-3, f"{name}: shaped sampling does not follow the target's distribution (p = {pvalue:.3g})"
 
 
