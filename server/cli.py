@@ -89,7 +89,9 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
     from server.bench.offline import format_report, run_offline
 
     cfg = config_from_args(a)
-    sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    sampling = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed, min_p=a.min_p,
+                              presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                              repetition_penalty=a.repetition_penalty)
     rep = run_offline(cfg, [a.drafter or "none"], a.prompts, a.max_tokens, a.baseline, a.repeats, log=log_stderr,
                       sampling=sampling)
     emit(format_report(rep), rep, a.json)
@@ -221,6 +223,10 @@ def add_commands(sub) -> None:
     bo.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     bo.add_argument("--top-p", type=float, default=1.0)
     bo.add_argument("--seed", type=int, default=None, help="seed prompt i with seed + i (outputs stay comparable)")
+    bo.add_argument("--min-p", type=float, default=0.0)
+    bo.add_argument("--presence-penalty", type=float, default=0.0, help="over generated tokens (-2..2)")
+    bo.add_argument("--frequency-penalty", type=float, default=0.0, help="per occurrence in generated tokens (-2..2)")
+    bo.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and generated tokens (> 0)")
     bo.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--baseline", choices=["hf"], default=None)

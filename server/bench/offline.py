@@ -18,6 +18,7 @@ drafter forwards * c). Counts come from the first repeat, times from all of them
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -83,8 +84,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
     names = ["none", *specs]
     sampling = sampling or SamplingParams()
     comparable = sampling.greedy or sampling.seed is not None
-    if baseline and not sampling.greedy:
-        raise ValueError("--baseline hf times greedy decoding; drop it for sampled runs")
+    if baseline and (not sampling.greedy or sampling.shaped):
+        raise ValueError("--baseline hf times plain greedy decoding; drop it for sampled or penalised runs")
     target = load_target(cfg)
     tok = load_tokenizer(target.hf_dir)
     stops = stop_token_ids(tok, target.args.eos_token_ids)
@@ -116,8 +117,7 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         for i, ids in enumerate(prompts):
             for n, eng in engines.items():
                 f0, d0 = _drafter_counters(eng.drafter)
-                sp = sampling if sampling.seed is None else SamplingParams(
-                    sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed + i)
+                sp = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
                 out = eng.generate(ids, sp, max_new_tokens=max_tokens, stop_token_ids=stops)
                 f1, d1 = _drafter_counters(eng.drafter)
                 secs[n][r] += out.prefill_s + out.decode_s
@@ -146,7 +146,9 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
               "quantization": target.quantization, "device": str(target.device),
               "threads": torch.get_num_threads(), "prompts": len(prompts), "max_tokens": max_tokens,
               "repeats": repeats, "temperature": sampling.temperature, "top_p": sampling.top_p,
-              "seed": sampling.seed, "results": []}
+              "seed": sampling.seed, "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
+              "frequency_penalty": sampling.frequency_penalty, "repetition_penalty": sampling.repetition_penalty,
+              "results": []}
     target_s = timing["none"][1] / max(1, timing["none"][0])  # one target forward (a decode step)
     report["target_forward_ms"] = round(1000 * target_s, 4)
     for n in names:
@@ -182,6 +184,9 @@ def format_report(rep: dict) -> str:
     w = max(14, 2 + max(len(r["drafter"]) for r in rep["results"]))
     sampled = "greedy" if not rep.get("temperature") else \
         f"temperature {rep['temperature']}  top_p {rep['top_p']}  seed {rep['seed']}"
+    shaping = [f"{k} {rep[k]}" for k, off in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                              ("repetition_penalty", 1.0)) if rep.get(k, off) != off]
+    sampled = "  ".join([sampled, *shaping])
     lines = [f"model {rep['model']}  dtype {rep['dtype']}  quantization {rep['quantization']}  "
              f"device {rep['device']}  threads {rep['threads']}  prompts {rep['prompts']}  "
              f"max_tokens {rep['max_tokens']}  repeats {rep['repeats']}  {sampled}",
