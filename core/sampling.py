@@ -91,50 +91,73 @@ class SamplingParams:
 class Shaper:
     """One request's logit_bias and penalties, with the counts of the tokens it has so far.
 
-    ``counts`` [V]: occurrences in the generated tokens (presence and frequency penalties); ``seen`` [V]: tokens of
-    the prompt or the generated tokens (repetition penalty). :meth:`__call__` shapes one row of logits for the state
-    after the committed tokens plus ``path`` (the drafted tokens between the committed ones and that row, root
-    excluded: the root is committed). Counts are exact small integers in float32, so a row shaped with (committed
-    + path) is bitwise the row plain decoding shapes once those tokens are committed."""
+    Only the columns they can change are touched: the biased tokens, the tokens generated so far (presence and
+    frequency penalties) and, with a repetition penalty, the prompt's. :meth:`__call__` shapes one row of logits for
+    the state after the committed tokens plus ``path`` (the drafted tokens between the committed ones and that row,
+    root excluded: the root is committed). Each column is computed by the same float32 operations from its logit, its
+    bias and its count (an exact small integer), so a row shaped with (committed + path) is bitwise the row plain
+    decoding shapes once those tokens are committed."""
 
     def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
         self.sp, self.vocab_size, self.device = sp, vocab_size, torch.device(device)
-        self.bias = None
-        if sp.logit_bias:
-            ids = [t for t, _ in sp.logit_bias]
-            if max(ids) >= vocab_size:
-                raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+        self._bias = {int(t): float(b) for t, b in sp.logit_bias}
+        if self._bias and max(self._bias) >= vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
+        self.bias = None  # [V] float32, the bias as a row (what is added to the logits)
+        if self._bias:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
-            self.bias[torch.tensor(ids, device=self.device)] = torch.tensor(
-                [float(b) for _, b in sp.logit_bias], device=self.device)
-        self.counts = self.seen = None
-        if sp.penalized:
-            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
-            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
-            if sp.repetition_penalty != 1.0 and prompt_ids:
-                self.seen[torch.tensor(prompt_ids, device=self.device)] = True
+            self.bias[torch.tensor(list(self._bias), device=self.device)] = torch.tensor(
+                list(self._bias.values()), device=self.device)
+        # the columns shaping touches, in the order they were first needed: token id, bias, generated count, seen
+        # (prompt or generated); grown as new tokens are generated
+        t = functools.partial(torch.tensor, device=self.device)
+        prompt = set(prompt_ids) if sp.repetition_penalty != 1.0 else set()
+        ids = list(self._bias) + sorted(prompt - set(self._bias))
+        self._pos = {i: k for k, i in enumerate(ids)}
+        self._ids = t(ids, dtype=torch.long)
+        self._bias_v = t([self._bias.get(i, 0.0) for i in ids], dtype=torch.float32)
+        self._counts = torch.zeros(len(ids), dtype=torch.float32, device=self.device)
+        self._seen = t([i in prompt for i in ids], dtype=torch.bool)
+
+    def _columns(self, tokens, ids, bias, counts, seen, pos):
+        """The columns extended by tokens that have none yet (count 0, not seen) -> (ids, bias, counts, seen, pos)."""
+        new = [i for i in dict.fromkeys(tokens) if i not in pos]
+        if not new:
+            return ids, bias, counts, seen, pos
+        t = functools.partial(torch.tensor, device=self.device)
+        return (torch.cat([ids, t(new, dtype=torch.long)]),
+                torch.cat([bias, t([self._bias.get(i, 0.0) for i in new], dtype=torch.float32)]),
+                torch.cat([counts, torch.zeros(len(new), device=self.device)]),
+                torch.cat([seen, torch.zeros(len(new), dtype=torch.bool, device=self.device)]),
+                {**pos, **{i: len(pos) + k for k, i in enumerate(new)}})
 
     def append(self, tokens: list[int]) -> None:
         """Generated tokens were committed."""
-        if self.counts is not None and tokens:
-            idx = torch.tensor(tokens, device=self.device)
-            self.counts.index_add_(0, idx, torch.ones(len(tokens), device=self.device))
-            self.seen[idx] = True
+        if self.sp.penalized and tokens:
+            self._ids, self._bias_v, self._counts, self._seen, self._pos = self._columns(
+                tokens, self._ids, self._bias_v, self._counts, self._seen, self._pos)
+            rows = torch.tensor([self._pos[i] for i in tokens], device=self.device)
+            self._counts.index_add_(0, rows, torch.ones(len(tokens), device=self.device))
+            self._seen[rows] = True
 
     def __call__(self, logits: torch.Tensor, path: list[int] = ()) -> torch.Tensor:
         """[V] logits of one row -> [V] float32 logits after logit_bias and the penalties."""
-        x = logits.float()
-        if self.bias is not None:
-            x = x + self.bias
-        if self.counts is None:
-            return x
-        counts, seen = self.counts, self.seen
-        if path:
-            idx = torch.tensor(list(path), device=self.device)
-            counts = counts.index_add(0, idx, torch.ones(len(path), device=self.device))
+        ids, bias, counts, seen = self._ids, self._bias_v, self._counts, self._seen
+        if path:  # the path's tokens: counted once more each, and seen
+            ids, bias, counts, seen, pos = self._columns(path, ids, bias, counts, seen, self._pos)
+            rows = torch.tensor([pos[i] for i in path], device=self.device)
+            counts = counts.index_add(0, rows, torch.ones(len(path), device=self.device))
             seen = seen.clone()
-            seen[idx] = True
-        return penalize(x, counts, seen, self.sp)
+            seen[rows] = True
+        x = logits.float()
+        x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+        v = x[ids]
+        if self.bias is not None:
+            v = v + bias
+        if self.sp.penalized:
+            v = penalize(v, counts, seen, self.sp)
+        x[ids] = v
+        return x
 
 
 def penalize(x: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
