@@ -99,15 +99,10 @@ class Shaper:
     decoding shapes once those tokens are committed."""
 
     def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
-        self.sp, self.vocab_size, self.device = sp, vocab_size, torch.device(device)
+        self.sp, self.device = sp, torch.device(device)
         self._bias = {int(t): float(b) for t, b in sp.logit_bias}
         if self._bias and max(self._bias) >= vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
-        self.bias = None  # [V] float32, the bias as a row (what is added to the logits)
-        if self._bias:
-            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
-            self.bias[torch.tensor(list(self._bias), device=self.device)] = torch.tensor(
-                list(self._bias.values()), device=self.device)
         # the columns shaping touches, in the order they were first needed: token id, bias, generated count, seen
         # (prompt or generated); grown as new tokens are generated
         t = functools.partial(torch.tensor, device=self.device)
@@ -152,7 +147,7 @@ class Shaper:
         x = logits.float()
         x = x.clone() if x.data_ptr() == logits.data_ptr() else x
         v = x[ids]
-        if self.bias is not None:
+        if self._bias:
             v = v + bias
         if self.sp.penalized:
             v = penalize(v, counts, seen, self.sp)

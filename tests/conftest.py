@@ -151,6 +151,14 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
+def bias_row(sp, like: torch.Tensor) -> torch.Tensor:
+    """A request's logit_bias as a row shaped like ``like`` (zero for tokens without one): what shaping adds."""
+    row = torch.zeros_like(like)
+    for t, b in sp.logit_bias:
+        row[t] = b
+    return row
+
+
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Chi-square goodness-of-fit p-value of observed ``counts`` against exact ``probs`` (same shape, any rank).
 

@@ -42,7 +42,7 @@ from core.sampling import SamplingParams
 from drafters.base import drafter_names
 from server.config import config_from_dict
 from server.engine import Engine, StepPlan, load_target
-from tests.conftest import chi2_pvalue
+from tests.conftest import bias_row, chi2_pvalue
 
 pytestmark = pytest.mark.statistical
 
@@ -476,7 +476,7 @@ def _bias_skipped_for_drafted_rows(self, node):
     path = acceptance_module.path_tokens(self.tree, node)
     row = self.shaper(self.logits[node], path)
     if node:
-        row = row - self.shaper.bias
+        row = row - bias_row(self.shaper.sp, row)
     return sampling_module.target_probs(row[None], self.sp)[0] if self.sp is not None else row
 
 

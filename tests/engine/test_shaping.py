@@ -20,6 +20,7 @@ import server.engine.engine as engine_module
 from core.sampling import SamplingParams
 from drafters.base import create_drafter, drafter_names
 from server.engine import Engine
+from tests.conftest import bias_row
 from tests.lossless import accepted_tokens
 
 MAX_NEW = 24
@@ -195,7 +196,7 @@ def _root_counted_twice(tree, node, real=acceptance_module.path_tokens):
 
 def _bias_skipped_for_drafted_rows(self, node, real=acceptance_module.ShapedRows.__getitem__):
     row = real(self, node)
-    return row - self.shaper.bias if node and self.sp is None else row
+    return row - bias_row(self.shaper.sp, row) if node and self.sp is None else row
 
 
 @pytest.mark.parametrize("bug", ["root state everywhere", "root counted twice", "bias skipped for drafted rows"])
