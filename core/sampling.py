@@ -47,6 +47,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to the logits first
     logprobs: int | None = None         # generated tokens' logprobs with this many alternatives; None: off
     prompt_logprobs: int | None = None  # prompt tokens' logprobs (the first has none); None: off
+    grammar: str | None = None          # a grammar string the output must match (core.grammar); None: free
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
@@ -84,8 +85,8 @@ class SamplingParams:
 
     @property
     def shaped(self) -> bool:
-        """Whether the logits are shaped before the argmax / temperature (a bias or a penalty)."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether the logits are shaped before the argmax / temperature (a grammar, a bias or a penalty)."""
+        return self.penalized or bool(self.logit_bias) or self.grammar is not None
 
 
 class Shaper:

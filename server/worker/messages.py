@@ -33,6 +33,9 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # first (`prompt_logprobs`), with the k most likely alternatives at that position.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # A grammar string (core.grammar: a compiled JSON schema, Lark grammar or regex) the output must match; the
+    # API process compiled and validated it. None: unconstrained.
+    grammar: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

@@ -188,4 +188,4 @@ def sampling_params(req: m.Generate) -> SamplingParams:
                           min_p=req.min_p, presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                           logit_bias=tuple(sorted(req.logit_bias.items())), logprobs=req.logprobs,
-                          prompt_logprobs=req.prompt_logprobs)
+                          prompt_logprobs=req.prompt_logprobs, grammar=req.grammar)
