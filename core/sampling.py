@@ -9,8 +9,8 @@ position and on nothing else, so a seeded request returns the same tokens whatev
 else shared its steps and whether the load-aware budget let it draft. A request without a seed keeps a generator
 (:func:`request_generator`) and speculative sampling's rejection rule, which accepts more of a sampled draft.
 
-Shaping, in this order (vLLM's): logit_bias -> penalties -> (greedy: argmax) -> temperature -> min_p -> top-k ->
-top-p. The first two depend on the request's history (:class:`Shaper`); the engine applies them to every tree row the
+Shaping, in this order (vLLM's): grammar mask -> logit_bias -> penalties -> (greedy: argmax) -> temperature -> min_p ->
+top-k -> top-p. The first three depend on the request's history (:class:`Shaper`); the engine applies them to every tree row the
 acceptance walk visits with the state of that row's own path (the committed tokens plus the drafted tokens from the
 root to the row), so a speculative step shapes each position exactly as plain decoding would after the same tokens.
 The rest (:func:`target_probs`) depends on the row alone.
@@ -99,8 +99,10 @@ class Shaper:
     bias and its count (an exact small integer), so a row shaped with (committed + path) is bitwise the row plain
     decoding shapes once those tokens are committed."""
 
-    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str):
+    def __init__(self, sp: SamplingParams, prompt_ids: list[int], vocab_size: int, device: torch.device | str,
+                 matcher=None):
         self.sp, self.device = sp, torch.device(device)
+        self.matcher = matcher  # the request's grammar state (core.grammar.Matcher), or None: no grammar
         self._bias = {int(t): float(b) for t, b in sp.logit_bias}
         if self._bias and max(self._bias) >= vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab_size}")
@@ -128,7 +130,8 @@ class Shaper:
                 {**pos, **{i: len(pos) + k for k, i in enumerate(new)}})
 
     def append(self, tokens: list[int]) -> None:
-        """Generated tokens were committed."""
+        """Generated tokens were committed (the engine commits them to the matcher itself, token by token, to stop
+        where the grammar completes)."""
         if self.sp.penalized and tokens:
             self._ids, self._bias_v, self._counts, self._seen, self._pos = self._columns(
                 tokens, self._ids, self._bias_v, self._counts, self._seen, self._pos)
@@ -137,7 +140,8 @@ class Shaper:
             self._seen[rows] = True
 
     def __call__(self, logits: torch.Tensor, path: list[int] = ()) -> torch.Tensor:
-        """[V] logits of one row -> [V] float32 logits after logit_bias and the penalties."""
+        """[V] logits of one row -> [V] float32 logits after the grammar's mask (-inf where the grammar, advanced
+        along ``path``, allows no token), logit_bias and the penalties."""
         ids, bias, counts, seen = self._ids, self._bias_v, self._counts, self._seen
         if path:  # the path's tokens: counted once more each, and seen
             ids, bias, counts, seen, pos = self._columns(path, ids, bias, counts, seen, self._pos)
@@ -147,6 +151,8 @@ class Shaper:
             seen[rows] = True
         x = logits.float()
         x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+        if self.matcher is not None:
+            x.masked_fill_(~self.matcher.allowed(path).to(x.device), float("-inf"))
         v = x[ids]
         if self._bias:
             v = v + bias

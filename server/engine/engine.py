@@ -17,6 +17,7 @@ from itertools import accumulate
 
 import torch
 
+from core.grammar import GrammarError, GrammarTokenizer
 from core.sampling import SamplingParams, Shaper, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
@@ -26,6 +27,7 @@ from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention)
+from server.engine.constrained import constrain_tree
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
 from server.engine.model import CpuRows, RowGroup, Segment
 from server.engine.prefix_cache import Hit, PrefixCache
@@ -54,6 +56,21 @@ class Engine:
         self._ids = itertools.count()
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
         self._running: dict[int, Sequence] = {}  # slot -> the sequence running in it
+        self._grammar_tokenizer: GrammarTokenizer | None = None
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The model's tokenizer for the grammar engine, built on the first request with a grammar."""
+        if self._grammar_tokenizer is None:
+            from server.model_files import load_tokenizer
+            from server.tokenization import stop_token_ids
+
+            if self.target.hf_dir is None:
+                raise RequestError("this target has no tokenizer files: grammars are not available")
+            tok = load_tokenizer(self.target.hf_dir)
+            self._grammar_tokenizer = GrammarTokenizer(tok, self.model.args.vocab_size,
+                                                       stop_token_ids(tok, self.model.args.eos_token_ids))
+        return self._grammar_tokenizer
 
     # -- admission ---------------------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_new_tokens: int = 16,
@@ -78,8 +95,9 @@ class Engine:
         shaper = None
         if sampling.shaped:
             try:
-                shaper = Shaper(sampling, prompt_ids, V, self.device)
-            except ValueError as e:
+                matcher = None if sampling.grammar is None else self.grammar_tokenizer.matcher(sampling.grammar)
+                shaper = Shaper(sampling, prompt_ids, V, self.device, matcher)
+            except (GrammarError, ValueError) as e:
                 raise RequestError(str(e)) from None
         ns = "" if namespace is None else namespace
         # prompt logprobs need every prompt row's logits: nothing cached is reused
@@ -310,6 +328,8 @@ class Engine:
             seq.max_rows = cap
             before = seq.stats.draft_seconds
             tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
+            if cap > 1 and seq.matcher is not None:  # grammar-invalid drafts out, forced tokens in
+                tree = constrain_tree(tree, seq.matcher, cap)
             trees.append((seq, tree.truncate(cap), cap > 1, seq.stats.draft_seconds - before))
         chunks = []  # (seq, first prompt row, rows)
         for seq, n in plan.prefill:
@@ -463,13 +483,17 @@ class Engine:
         return emitted
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
-        """Append emitted tokens (and their logprobs), stopping at a stop token, max_new_tokens or the end of the
-        context; the shaper counts them."""
+        """Append emitted tokens (and their logprobs), stopping at a stop token, where the grammar is complete,
+        at max_new_tokens or at the end of the context; the grammar's matcher commits them and the shaper counts
+        them."""
         out = []
+        matcher = seq.matcher
         for t in tokens:
             seq.token_ids.append(t)
             out.append(t)
-            if t in seq.stop_token_ids:
+            if matcher is not None:
+                matcher.consume([t])
+            if t in seq.stop_token_ids or (matcher is not None and matcher.stopped):
                 seq.finish_reason = "stop"
             elif seq.num_generated >= seq.max_new_tokens or len(seq.token_ids) >= self.max_seq_len:
                 seq.finish_reason = "length"

@@ -59,6 +59,11 @@ class Sequence:
     prompt_logprobs: list | None = None
 
     @property
+    def matcher(self):
+        """The request's grammar state (core.grammar.Matcher: the committed tokens consumed), or None."""
+        return None if self.shaper is None else self.shaper.matcher
+
+    @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
