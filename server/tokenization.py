@@ -26,9 +26,12 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """Apply the model's chat template (with the assistant turn opened) and tokenize."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Apply the model's chat template (with the assistant turn opened) and tokenize. ``tools`` (OpenAI's tool
+    objects) go to a template that renders tools itself; for one that does not, the API process has written them
+    into the messages already (server.api.tools)."""
+    kw = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -13,6 +13,8 @@ from fastapi import FastAPI
 
 from server.api.errors import BodySizeLimitMiddleware, install_error_handlers
 from server.api.logprobs import TokenText
+from server.api.structured import GrammarCompiler
+from server.api.tools import template_knows_tools
 from server.config import EngineConfig
 from server.metrics import Metrics
 from server.worker.process import WorkerClient
@@ -32,9 +34,15 @@ class ServerState:
     api_key: str | None
     created: int
     token_text: TokenText = field(init=False)  # token strings and bytes, for log probabilities
+    # response_format and tool grammars checked against the model's tokenizer (built on first use; `serve` builds
+    # it at startup)
+    grammars: GrammarCompiler = field(init=False)
+    template_knows_tools: bool = field(init=False)  # the chat template renders `tools` itself
 
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.worker.ready.vocab_size, self.stop_token_ids)
+        self.template_knows_tools = template_knows_tools(self.tokenizer)
 
 
 class OutcomeMiddleware:
@@ -121,6 +129,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
                         model_name=cfg.server.served_model_name or ready.model_id,
                         stop_token_ids=list(stop_token_ids(tokenizer, args.eos_token_ids)), api_key=api_key,
                         created=int(time.time()))
+    state.grammars.tokenizer  # the grammar engine's view of the vocabulary, before the first request needs it
     app = create_app(state)
     freeze_startup_heap()
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",

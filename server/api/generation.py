@@ -124,7 +124,7 @@ class Generation:
                          s["top_k"], s["seed"], self.stop_token_ids, namespace=self.namespace, min_p=s["min_p"],
                          presence_penalty=s["presence_penalty"], frequency_penalty=s["frequency_penalty"],
                          repetition_penalty=s["repetition_penalty"], logit_bias=s["logit_bias"],
-                         logprobs=s["logprobs"], prompt_logprobs=s["prompt_logprobs"])
+                         logprobs=s["logprobs"], prompt_logprobs=s["prompt_logprobs"], grammar=s.get("grammar"))
         try:
             self.queue = self.worker.submit(req)
         except WorkerDied:

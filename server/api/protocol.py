@@ -13,6 +13,7 @@ whose messages are complete sentences.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any, Callable, Literal
@@ -20,6 +21,10 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import (StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from server.api.structured import (FieldError, ToolChoice, parse_function_call, parse_functions,
+                                   parse_response_format, parse_tool_choice, parse_tools)
+from server.api.tools import ToolPlan, render_messages
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -65,16 +70,19 @@ def _clean_text(value: str, what: str = "Strings") -> str:
     return value
 
 
-_NO_TOOLS = "this server does not implement tool or function calling"
 # Fields accepted only at a value that leaves the result unchanged: name -> (is that value, why not otherwise).
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v is None or v == [], _NO_TOOLS),
-    "functions": (lambda v: v is None or v == [], _NO_TOOLS),
-    "tool_choice": (lambda v: v is None or v == "none", _NO_TOOLS),
-    "function_call": (lambda v: v is None or v == "none", _NO_TOOLS),
     "best_of": (lambda v: v is None or v == 1, "only best_of=1 is accepted"),
     "suffix": (lambda v: v is None or v == "", "insertion is not implemented"),
 }
+
+def _structured(parse: Callable[[Any], Any], v: Any) -> Any:
+    """A structured-output or tool field through its parser (server.api.structured); its errors name the field."""
+    try:
+        return parse(v)
+    except FieldError as e:
+        raise _invalid(str(e)) from None
+
 
 SafeStr = Annotated[str, AfterValidator(_clean_text)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_clean_text)]
@@ -96,31 +104,87 @@ class StreamOptions(_Request):
         return False if v is None else v
 
 
+def _text_content(v: Any) -> str:
+    """Message content as one string: a string, or a list of text parts joined with a newline."""
+    if isinstance(v, str):
+        return _clean_text(v, "Message content")
+    if not isinstance(v, list):
+        raise _invalid("Message content must be a string or a list of text parts.")
+    texts = []
+    for i, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = repr(part.get("type"))[:40] if isinstance(part, dict) else type(part).__name__
+            raise PydanticCustomError(UNSUPPORTED, f"Content part {i} has type {kind}: only 'text' parts are "
+                                      "supported by this server.")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"Content part {i} needs a string `text`.")
+        texts.append(_clean_text(text, "Message content"))
+    return "\n".join(texts)
+
+
+def _arguments_text(v: Any) -> Any:
+    """A call's `arguments`: a JSON string (OpenAI's shape); an object is taken as its JSON text."""
+    if isinstance(v, dict):
+        return json.dumps(v, ensure_ascii=False)
+    return v
+
+
+class FunctionCall(_Request):
+    name: SafeStr
+    arguments: SafeStr
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_as_text(cls, v: Any) -> Any:
+        return _arguments_text(v)
+
+
+class ToolCall(_Request):
+    """An earlier assistant turn's call, as the client sends it back."""
+
+    id: SafeStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     """One turn. ``content`` may arrive as a string or a list of text parts; it is stored as one string (parts
-    joined with a newline) because the chat template only takes text."""
+    joined with a newline) because the chat template only takes text. An assistant turn may carry ``tool_calls``
+    (or a legacy ``function_call``) with null content; a ``tool`` turn answers one call (``tool_call_id``), a legacy
+    ``function`` turn one function (``name``); ``developer`` is a system turn."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | None = Field(default=None, validate_default=True)
+    name: SafeStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None
+    tool_call_id: SafeStr | None = Field(default=None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content_text(cls, v: Any) -> str:
-        if isinstance(v, str):
-            return _clean_text(v, "Message content")
-        if not isinstance(v, list):
-            raise _invalid("Message content must be a string or a list of text parts.")
-        texts = []
-        for i, part in enumerate(v):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = repr(part.get("type"))[:40] if isinstance(part, dict) else type(part).__name__
-                raise PydanticCustomError(UNSUPPORTED, f"Content part {i} has type {kind}: only 'text' parts are "
-                                          "supported by this server.")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise _invalid(f"Content part {i} needs a string `text`.")
-            texts.append(_clean_text(text, "Message content"))
-        return "\n".join(texts)
+    def _content_text(cls, v: Any, info: ValidationInfo) -> str | None:
+        if v is None:
+            if info.data.get("role", "assistant") == "assistant":  # an assistant turn that only calls tools
+                return None
+            raise PydanticCustomError("missing", "Field required")
+        return _text_content(v)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_turn_needs_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("role") == "tool":
+            raise _invalid("A `tool` message needs the `tool_call_id` of the call it answers.")
+        return v
+
+    @model_validator(mode="after")
+    def _calls_from_the_assistant(self) -> "ChatMessage":
+        if (self.tool_calls or self.function_call is not None) and self.role != "assistant":
+            raise _field_error("tool_calls" if self.tool_calls else "function_call",
+                               "Only an `assistant` message may carry `tool_calls` or `function_call`.", None)
+        if self.role == "function" and self.name is None:
+            raise _field_error("name", "A `function` message needs the `name` of the function.", None)
+        return self
 
 
 class _SamplingRequest(_Request):
@@ -243,22 +307,74 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False  # each generated token's log probability
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # and the k most likely there
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    response_format: Any = None  # structured.ResponseFormat once validated
+    tools: Any = None  # list[structured.ToolSpec]
+    tool_choice: Any = None  # structured.ToolChoice
+    parallel_tool_calls: bool = True
+    functions: Any = None  # legacy: list[structured.ToolSpec]
+    function_call: Any = None  # legacy: structured.ToolChoice
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if v is None:
-            return v
-        if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-            raise _invalid("`response_format` must be an object with a string `type`.")
-        if v["type"] != "text":
-            raise _unsupported("response_format", "only type 'text' is accepted")
-        return v
+    def _response_format(cls, v: Any) -> Any:
+        return _structured(parse_response_format, v)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: Any) -> Any:
+        return _structured(parse_tools, v)
+
+    @field_validator("functions")
+    @classmethod
+    def _functions(cls, v: Any) -> Any:
+        return _structured(parse_functions, v)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        return _structured(parse_tool_choice, v)
+
+    @field_validator("function_call")
+    @classmethod
+    def _function_call(cls, v: Any) -> Any:
+        return _structured(parse_function_call, v)
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_is_true(cls, v: Any) -> Any:
+        return True if v is None else v
+
+    @model_validator(mode="after")
+    def _tool_fields_agree(self) -> "ChatCompletionRequest":
+        """`tools` with `tool_choice`, or legacy `functions` with `function_call`, not a mix; a named function must be
+        one of them, and 'required' or a named one needs tools."""
+        if self.functions is not None and self.tools is not None:
+            raise _field_error("functions", "Send `tools` or the legacy `functions`, not both.", None)
+        if self.function_call is not None and self.tool_choice is not None:
+            raise _field_error("function_call", "Send `tool_choice` or the legacy `function_call`, not both.", None)
+        if self.tools is not None and self.function_call is not None:
+            raise _field_error("function_call", "With `tools`, send `tool_choice` (`function_call` goes with the "
+                               "legacy `functions`).", None)
+        legacy = self.functions is not None or (self.tools is None and self.function_call is not None)
+        field = "function_call" if legacy else "tool_choice"
+        tools = (self.functions if legacy else self.tools) or []
+        choice = self.function_call if legacy else self.tool_choice
+        if choice is not None and choice.mode in ("required", "named") and not tools:
+            raise _field_error(field, f"`{field}` asks for a function call, but the request has no "
+                               f"{'functions' if legacy else 'tools'}.", None)
+        if choice is not None and choice.mode == "named" and choice.name not in {t.name for t in tools}:
+            raise _field_error(field, f"`{field}` names the function '{choice.name[:64]}', which is not among the "
+                               f"request's {'functions' if legacy else 'tools'}.", None)
+        return self
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The request's tools as one plan (legacy `functions` mapped onto tools), or None without any."""
+        legacy = self.functions is not None
+        tools = self.functions if legacy else self.tools
+        if not tools:
+            return None
+        choice = (self.function_call if legacy else self.tool_choice) or ToolChoice("auto")
+        return ToolPlan(list(tools), choice, parallel=self.parallel_tool_calls and not legacy, legacy=legacy)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -272,9 +388,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _invalid("`top_logprobs` needs `logprobs` set to true.")
         return v
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as plain dicts, ready for ``tokenizer.apply_chat_template``."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def template_messages(self, knows_tools: bool = False) -> tuple[list[dict], list[dict] | None]:
+        """(the conversation as plain dicts, the ``tools`` argument) for ``tokenizer.apply_chat_template``: tools
+        and earlier calls rendered as ``tools.render_messages`` says."""
+        return render_messages(self.messages, self.tool_plan(), knows_tools)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -288,6 +405,12 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False  # the reply's text starts with the prompt
     suffix: Any = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    response_format: Any = None  # extension (as in vLLM): structured.ResponseFormat once validated
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: Any) -> Any:
+        return _structured(parse_response_format, v)
 
     @field_validator("echo", mode="before")
     @classmethod

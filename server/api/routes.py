@@ -15,6 +15,8 @@ from server.api.errors import APIError, api_key_dependency, bearer_token
 from server.api.generation import Choices, TokenLogprob, cache_namespace
 from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
+from server.api.structured import FieldError, compile_checked, response_format_grammar
+from server.api.tools import ToolPlan, ToolReply, tool_grammar_lark
 from server.tokenization import encode_chat, encode_text
 from server.worker.process import new_request_id
 
@@ -40,10 +42,36 @@ def _check_model(s, model: str) -> None:
                        "invalid_request_error", "model", "model_not_found")
 
 
-def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None = None) -> Choices:
+def _grammar(s, req, plan: ToolPlan | None) -> str | None:
+    """The grammar the request's output must match (the tools' when they are active, else `response_format`'s;
+    None: free text), compiled and checked against the model's tokenizer; what cannot be enforced is a 400 naming
+    the field (each tool's schema checked on its own first, so the message names the tool)."""
+    from core.grammar import json_schema_grammar, lark_grammar
+
+    def check(param: str, what: str, build) -> str | None:
+        try:
+            return compile_checked(s.grammars, build, what)
+        except FieldError as e:
+            raise APIError(400, str(e), "invalid_request_error", param, "invalid_value") from None
+
+    fmt = req.response_format
+    grammar = check("response_format", "The JSON schema of `response_format`", lambda: response_format_grammar(fmt))
+    if plan is None or not plan.active:
+        return grammar
+    field = "functions" if plan.legacy else "tools"
+    for i, tool in enumerate(plan.tools):
+        where = f"functions[{i}]" if plan.legacy else f"tools[{i}].function"
+        check(field, f"The JSON schema `{where}.parameters`",
+              lambda tool=tool: json_schema_grammar(tool.arguments_schema()))
+    return check(field, f"The call grammar of `{field}`", lambda: lark_grammar(tool_grammar_lark(plan, fmt)))
+
+
+def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None = None,
+             grammar: str | None = None) -> Choices:
     """Vocabulary and context checks, admission control, and submission of the request's n choices to the worker
-    (`echo`: the prompt text each choice's text starts with). (No check for a draining server: on SIGTERM uvicorn
-    closes the listening socket and every idle connection first, so no new request reaches a route.)"""
+    (`echo`: the prompt text each choice's text starts with; `grammar`: what the output must match). (No check for a
+    draining server: on SIGTERM uvicorn closes the listening socket and every idle connection first, so no new
+    request reaches a route.)"""
     choices = req.n
     slots = s.worker.ready.num_slots
     if choices > slots:
@@ -75,7 +103,8 @@ def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None =
                        None, "queue_full", headers={"Retry-After": "1"})
     request_id = new_request_id("req")
     namespace = cache_namespace(bearer_token(request), req.cache_salt, s.cfg.cache.prefix_caching, request_id)
-    group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids, {**sampling, "max_tokens": max_tokens},
+    group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids,
+                    {**sampling, "max_tokens": max_tokens, "grammar": grammar},
                     [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
                     request_id=request_id, echo=echo)
     group.submit()
@@ -117,10 +146,12 @@ def _sse(obj) -> str:
 
 
 def _stream(request: Request, group: Choices, chunk: Callable[..., dict], include_usage: bool,
-            first: dict | None) -> StreamingResponse:
+            first: dict | None, replies: list[ToolReply] | None = None) -> StreamingResponse:
     """SSE: optional role chunks (one per choice), the choices' text deltas interleaved as they arrive (with the log
     probabilities of the tokens whose text they complete) and a finish chunk per choice (each chunk names its
-    choice's `index`), an optional usage chunk, then [DONE].
+    choice's `index`), an optional usage chunk, then [DONE]. With tools (`replies`, one per choice), each choice's
+    text goes through its parser: content, then each call's first delta (id, name) and its argument pieces; the log
+    probabilities ride on the last delta a piece of text made (or on an empty content delta).
 
     An error after the stream started goes out as a final `data: {"error": ...}` event, without [DONE].
     """
@@ -134,6 +165,15 @@ def _stream(request: Request, group: Choices, chunk: Callable[..., dict], includ
                     yield _sse(chunk(i, first, None))
             async with aclosing(group.events()) as deltas:
                 async for i, d in deltas:
+                    if replies is not None:
+                        pieces = replies[i].deltas(d.text, final=d.finish_reason is not None)
+                        if d.logprobs and not pieces:
+                            pieces = [{"content": ""}]
+                        for k, piece in enumerate(pieces):
+                            yield _sse(chunk(i, piece, None, d.logprobs if k == len(pieces) - 1 else None))
+                        if d.finish_reason:
+                            yield _sse(chunk(i, {}, replies[i].finish_reason(d.finish_reason)))
+                        continue
                     if d.text or d.logprobs:
                         yield _sse(chunk(i, {"content": d.text} if first is not None else d.text, None, d.logprobs))
                     if d.finish_reason:
@@ -150,8 +190,9 @@ def _stream(request: Request, group: Choices, chunk: Callable[..., dict], includ
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _respond(request: Request, req, group: Choices, chat: bool):
-    """The OpenAI response for a submitted request: SSE chunks when streaming, else one JSON body."""
+async def _respond(request: Request, req, group: Choices, chat: bool, plan: ToolPlan | None = None):
+    """The OpenAI response for a submitted request: SSE chunks when streaming, else one JSON body. With an active
+    tool plan each choice's text is parsed into calls (server.api.tools)."""
     s = _state(request)
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + group.request_id.split("-", 1)[1],
             "created": int(time.time()), "model": s.model_name}
@@ -172,9 +213,10 @@ async def _respond(request: Request, req, group: Choices, chat: bool):
             out["usage"] = usage
         return out
 
+    replies = [ToolReply(plan) for _ in range(group.n)] if chat and plan is not None and plan.active else None
     if req.stream:
         return _stream(request, group, chunk, req.include_usage,
-                       first={"role": "assistant", "content": ""} if chat else None)
+                       first={"role": "assistant", "content": ""} if chat else None, replies=replies)
     result = await _collect(request, group)
     if result is None:
         return Response(status_code=499)  # nobody is listening; the outcome is already "aborted"
@@ -182,7 +224,10 @@ async def _respond(request: Request, req, group: Choices, chat: bool):
     choices = []
     for i, (text, gen) in enumerate(zip(texts, group.gens)):
         choice = {"index": i, "finish_reason": gen.finish_reason, "logprobs": logprobs(entries[i])}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if replies is not None:
+            choice["message"], choice["finish_reason"] = replies[i].message(text, gen.finish_reason)
+        else:
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         choices.append(choice)
     return {**head, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": usage}
@@ -192,8 +237,12 @@ async def _respond(request: Request, req, group: Choices, chat: bool):
 async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth):
     s = _state(request)
     _check_model(s, req.model)
-    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, req.template_messages())
-    return await _respond(request, req, _prepare(s, request, req, prompt_ids), chat=True)
+    plan = req.tool_plan()
+    grammar = await run_in_threadpool(_grammar, s, req, plan)
+    messages, tools = req.template_messages(s.template_knows_tools)
+    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages, tools)
+    return await _respond(request, req, _prepare(s, request, req, prompt_ids, grammar=grammar), chat=True,
+                          plan=plan)
 
 
 @router.post("/v1/completions", tags=["completions"])
@@ -208,10 +257,11 @@ async def completions(req: CompletionRequest, request: Request, _: Auth):
         if any(t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
                            None)
+    grammar = await run_in_threadpool(_grammar, s, req, None)
     echo = None
     if req.echo:  # the prompt as sent; token ids as they decode, special tokens included
         echo = req.prompt if isinstance(req.prompt, str) else s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    return await _respond(request, req, _prepare(s, request, req, prompt_ids, echo), chat=False)
+    return await _respond(request, req, _prepare(s, request, req, prompt_ids, echo, grammar), chat=False)
 
 
 @router.get("/v1/models", tags=["models"], response_model=ModelList)

@@ -58,8 +58,11 @@ CHAT_CASES = [
     ({"messages": MSG, "logit_bias": {"5": 100.5}}, "logit_bias"),
     ({"messages": MSG, "logit_bias": {"49152": 1}}, "logit_bias"),  # the model's vocabulary ends at 49151
     ({"messages": MSG, "max_tokens": 0, "echo": True}, "max_tokens"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": MSG, "seed": "x"}, "seed"),
 ]
 

@@ -117,7 +117,9 @@ def test_wrong_content_type_is_400(client):
     ({"logit_bias": {"1.5": 1}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format", "invalid_value"),
     ({"stop": ["a"] * 5}, "stop", "invalid_value"),
     ({"model": None}, "model", None),
 ])

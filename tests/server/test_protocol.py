@@ -34,7 +34,7 @@ def test_chat_defaults_and_string_content():
     assert req.messages[0].role == "user" and req.messages[0].content == "hi"
     assert (req.temperature, req.top_p, req.top_k, req.n, req.stream) == (1.0, 1.0, -1, 1, False)
     assert not req.include_usage
-    assert req.template_messages() == [{"role": "user", "content": "hi"}]
+    assert req.template_messages() == ([{"role": "user", "content": "hi"}], None)
 
 
 def test_chat_text_parts_are_joined():
@@ -164,7 +164,8 @@ def test_sampling_from_values():
 # -- invalid requests name their field ---------------------------------------------------------------------------
 @pytest.mark.parametrize("fields, loc", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
@@ -268,11 +269,16 @@ def test_sampling_from_values():
     ({"logit_bias": {"\u0661": 1}}, "logit_bias"),  # ARABIC-INDIC DIGIT ONE: int() would take it
     ({"logit_bias": {"2147483648": 1}}, "logit_bias"),
     ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"functions": [{"name": ""}]}, "functions"),
+    ({"function_call": "maybe"}, "function_call"),
+    ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
 ])
 def test_chat_errors_name_the_field(fields, loc):
     where, kind = error_of(chat, **fields)
@@ -282,7 +288,8 @@ def test_chat_errors_name_the_field(fields, loc):
 
 # Fields the server takes (rejected only for a bad value, never as unsupported).
 ACCEPTED = {"logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-            "logit_bias", "echo", "max_tokens", "max_completion_tokens"}
+            "logit_bias", "echo", "max_tokens", "max_completion_tokens", "response_format", "tools", "tool_choice",
+            "functions", "function_call", "parallel_tool_calls"}
 
 
 @pytest.mark.parametrize("fields, loc", [
