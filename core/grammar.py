@@ -48,6 +48,20 @@ def json_schema_grammar(schema: dict[str, Any] | bool | None = None) -> str:
         raise GrammarError(f"invalid JSON schema: {e}") from None
 
 
+def response_format_grammar(response_format: dict[str, Any] | None) -> tuple[str | None, dict | None]:
+    """An OpenAI ``response_format`` -> (grammar string or None for ``text``, the JSON schema the output must
+    validate against, or None)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return json_schema_grammar(None), {"type": "object"}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema", {})
+        return json_schema_grammar(schema), schema
+    raise GrammarError(f"unknown response_format type {kind!r} (text, json_object, json_schema)")
+
+
 def json_schema_lark(schema: dict[str, Any]) -> str:
     """A JSON schema as a Lark ``%json`` item (to embed in a larger grammar), with the compact separators."""
     schema = dict(schema)

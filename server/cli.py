@@ -93,7 +93,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
                               presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                               repetition_penalty=a.repetition_penalty)
     rep = run_offline(cfg, [a.drafter or "none"], a.prompts, a.max_tokens, a.baseline, a.repeats, log=log_stderr,
-                      sampling=sampling)
+                      sampling=sampling, grammar=not a.no_grammar)
     emit(format_report(rep), rep, a.json)
     return 0
 
@@ -227,7 +227,9 @@ def add_commands(sub) -> None:
     bo.add_argument("--presence-penalty", type=float, default=0.0, help="over generated tokens (-2..2)")
     bo.add_argument("--frequency-penalty", type=float, default=0.0, help="per occurrence in generated tokens (-2..2)")
     bo.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and generated tokens (> 0)")
-    bo.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line")
+    bo.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line, optionally with "
+                    "an OpenAI response_format the output is constrained to")
+    bo.add_argument("--no-grammar", action="store_true", help="ignore the prompts' response_format (unconstrained)")
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--baseline", choices=["hf"], default=None)
     bo.add_argument("--repeats", type=int, default=1, help="passes over the prompts; tok/s is their median")

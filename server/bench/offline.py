@@ -25,6 +25,7 @@ import time
 import torch
 import yaml
 
+from core.grammar import response_format_grammar
 from core.sampling import SamplingParams
 from drafters.base import create_drafter
 from server.config import EngineConfig
@@ -78,7 +79,7 @@ def _drafter_counters(drafter) -> tuple[int, float]:
 
 def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_tokens: int,
                 baseline: str | None = None, repeats: int = 1, log=print,
-                sampling: SamplingParams | None = None) -> dict:
+                sampling: SamplingParams | None = None, grammar: bool = True) -> dict:
     specs = {label: (name, opts) for label, name, opts in parse_specs(",".join(drafters))}
     specs.pop("none", None)
     names = ["none", *specs]
@@ -89,7 +90,10 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
     target = load_target(cfg)
     tok = load_tokenizer(target.hf_dir)
     stops = stop_token_ids(tok, target.args.eos_token_ids)
-    prompts = [encode_record(tok, r) for r in read_prompts(prompts_path)]
+    records = read_prompts(prompts_path)
+    prompts = [encode_record(tok, r) for r in records]
+    # a record's response_format constrains its output (grammar False: the same prompts unconstrained)
+    formats = [response_format_grammar(r.get("response_format")) if grammar else (None, None) for r in records]
     engines = {"none": Engine(cfg, create_drafter("none", target), target)}
     for label, (name, opts) in specs.items():
         engines[label] = Engine(cfg, create_drafter(name, target, {**cfg.drafter.options_for(name), **opts}), target)
@@ -118,6 +122,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
             for n, eng in engines.items():
                 f0, d0 = _drafter_counters(eng.drafter)
                 sp = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
+                if formats[i][0] is not None:
+                    sp = dataclasses.replace(sp, grammar=formats[i][0])
                 out = eng.generate(ids, sp, max_new_tokens=max_tokens, stop_token_ids=stops)
                 f1, d1 = _drafter_counters(eng.drafter)
                 secs[n][r] += out.prefill_s + out.decode_s
@@ -148,7 +154,7 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
               "repeats": repeats, "temperature": sampling.temperature, "top_p": sampling.top_p,
               "seed": sampling.seed, "min_p": sampling.min_p, "presence_penalty": sampling.presence_penalty,
               "frequency_penalty": sampling.frequency_penalty, "repetition_penalty": sampling.repetition_penalty,
-              "results": []}
+              "constrained": sum(g is not None for g, _ in formats), "results": []}
     target_s = timing["none"][1] / max(1, timing["none"][0])  # one target forward (a decode step)
     report["target_forward_ms"] = round(1000 * target_s, 4)
     for n in names:
@@ -170,6 +176,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
             "swi": round(toks[n][0] / (v + len(prompts) + drafter_forwards[n] * c), 4),
             "outputs": outputs[n],
         })
+        if report["constrained"]:
+            report["results"][-1]["valid_fraction"] = _valid_fraction(tok, outputs[n], formats)
     if hf_model is not None:
         hf_tps = statistics.median(t / s for t, s in zip(hf_toks, hf_secs))
         report["baseline_hf"] = {"tokens_per_s": round(hf_tps, 3), "outputs": hf_out,
@@ -178,6 +186,25 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         for row in report["results"]:
             row["speedup_vs_hf"] = round(row["tokens_per_s"] / hf_tps, 3)
     return report
+
+
+def _valid_fraction(tok, outputs: list[list[int]], formats) -> float:
+    """The share of constrained outputs that parse as JSON and validate against their schema."""
+    import json
+
+    import jsonschema
+
+    ok = n = 0
+    for ids, (g, schema) in zip(outputs, formats):
+        if g is None:
+            continue
+        n += 1
+        try:
+            jsonschema.validate(json.loads(tok.decode(ids, skip_special_tokens=True)), schema)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ok / n
 
 
 def format_report(rep: dict) -> str:
@@ -200,7 +227,10 @@ def format_report(rep: dict) -> str:
                      f"{r['acceptance_rate']:>13.2f}{r['speedup_vs_none']:>8.2f}x{vs_hf:>8}"
                      f"{lossless:>10}"
                      f"{r['target_forwards']:>9}{r['drafter_forwards']:>9}{r['cost_coefficient']:>8.3f}"
-                     f"{r['swi']:>7.2f}")
+                     f"{r['swi']:>7.2f}" + (f"{100 * r['valid_fraction']:>8.0f}%" if "valid_fraction" in r else ""))
+    if rep.get("constrained"):
+        lines[1] += f"{'valid':>9}"
+        lines[0] += f"  constrained {rep['constrained']} (response_format)"
     lines.append(f"c = drafter forward time / target forward time ({rep['target_forward_ms']:.2f} ms here); "
                  "SWI = tokens / (tgt_fwd + drf_fwd * c)")
     if "baseline_hf" in rep:
