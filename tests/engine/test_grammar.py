@@ -219,3 +219,49 @@ def test_an_unreadable_path_is_refused(letters):
     with pytest.raises(GrammarError):
         m.allowed(enc("hello"))
     assert m.forced(enc("hello")) == []
+
+
+def _prune_sampled_drafts_too(tree: DraftTree, matcher, max_rows: int) -> DraftTree:
+    """The bug: a sampled draft the grammar rules out is dropped after its token was seen."""
+    keep = [i for i in range(tree.num_rows) if i == 0 or matcher.valid_prefix([tree.tokens[i]]) == 1]
+    q = tree.q[keep] if tree.q is not None else None
+    return DraftTree([tree.tokens[i] for i in keep], [-1] + [0] * (len(keep) - 1), q)
+
+
+@pytest.mark.parametrize("surgery", ["constrain_tree", "sampled draft pruned after its token is seen"])
+def test_a_sampled_draft_outside_the_grammar_shapes_the_residual(surgery, grammar_tokenizer):
+    """A root child drawn from q = 1/2 on the first allowed token, 1/2 on a token the grammar rules out: the emitted
+    token must follow the masked target p (uniform over the allowed tokens). Kept, the ruled-out draft's rejection
+    leaves the residual max(p - q, 0); dropped once its token was seen (the control), the bonus comes from p and the
+    first allowed token is over-represented."""
+    from core.sampling import Shaper
+    from server.engine.acceptance import ShapedRows, accept_sampling
+    from tests.conftest import chi2_pvalue
+
+    m = grammar_tokenizer.matcher(json_schema_grammar(None))
+    V = m.vocab_size
+    allowed = m.allowed()
+    ok = allowed.nonzero().flatten().tolist()
+    assert len(ok) >= 2
+    ruled_out = int((~allowed).nonzero()[0])
+    q_row = torch.zeros(V)
+    q_row[ok[0]] = q_row[ruled_out] = 0.5
+    sp = SamplingParams(temperature=1.0, grammar="json")
+    shaper = Shaper(sp, [], V, "cpu", m)
+    surgery_fn = constrain_tree if surgery == "constrain_tree" else _prune_sampled_drafts_too
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(V)
+    for _ in range(1200):
+        x = int(torch.multinomial(q_row, 1, generator=gen))
+        q = torch.zeros(2, V)
+        q[1] = q_row
+        tree = surgery_fn(DraftTree([7, x], [-1, 0], q), m, 2)
+        logits = torch.zeros(tree.num_rows, V)
+        _, tokens = accept_sampling(tree, ShapedRows(tree, logits, shaper, sp), gen)
+        counts[tokens[0]] += 1
+    p = allowed.double() / len(ok)
+    pvalue = chi2_pvalue(counts, p)
+    if surgery == "constrain_tree":
+        assert pvalue > 1e-3, pvalue
+    else:
+        assert pvalue < 1e-6, pvalue
