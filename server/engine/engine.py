@@ -323,14 +323,17 @@ class Engine:
             if seq.finish_reason is not None:
                 out[seq.seq_id] = []
                 continue
-            cap = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated,
-                      plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
+            room = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated)
+            cap = min(room, plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
             seq.max_rows = cap
             before = seq.stats.draft_seconds
             tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
-            if cap > 1 and seq.matcher is not None:  # grammar-invalid drafts out, forced tokens in
+            if seq.matcher is not None and room > 1:
+                # grammar-invalid drafts out, forced tokens in: a step the budget keeps plain (cap 1) still
+                # verifies the tokens the grammar forces, drafts accepted but for a different tokenization
+                cap = cap if cap > 1 else room
                 tree = constrain_tree(tree, seq.matcher, cap)
-            trees.append((seq, tree.truncate(cap), cap > 1, seq.stats.draft_seconds - before))
+            trees.append((seq, tree.truncate(cap), seq.max_rows > 1, seq.stats.draft_seconds - before))
         chunks = []  # (seq, first prompt row, rows)
         for seq, n in plan.prefill:
             start = seq.cache_len

@@ -15,7 +15,8 @@ MIN_PREFILL_CHUNK = 16  # prompt tokens a step prefills even when the decoding s
 class StepPlan:
     """One target forward: a speculative step for each sequence of ``decode`` and the next ``n`` prompt tokens of
     each (sequence, n) of ``prefill``. ``max_rows`` caps a decoding sequence's tree rows by its id (root included;
-    default ``core.tree.MAX_TREE_ROWS``); at 1 the drafter is not asked and the step is a plain decode step."""
+    default ``core.tree.MAX_TREE_ROWS``); at 1 the drafter is not asked and the step is a plain decode step (but for
+    the tokens a request's grammar forces, which it still verifies)."""
 
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)

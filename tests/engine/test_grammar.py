@@ -265,3 +265,27 @@ def test_a_sampled_draft_outside_the_grammar_shapes_the_residual(surgery, gramma
         assert pvalue > 1e-3, pvalue
     else:
         assert pvalue < 1e-6, pvalue
+
+
+def test_a_step_the_budget_keeps_plain_still_takes_the_forced_tokens(int4, grammar_tokenizer, prompts, stops, plain):
+    """``max_rows`` 1 (the load-aware budget's plain step): the drafter is not asked, but the tokens the grammar
+    forces are verified as drafts; the output is unchanged."""
+    from server.engine import StepPlan
+
+    cfg, target = int4
+    engine = Engine(cfg, create_drafter("ngram", target), target)
+    engine._grammar_tokenizer = grammar_tokenizer
+    case, prompt = CASES[2], prompts[2]
+    seq = engine.add(prompt, SamplingParams(grammar=case[1]), MAX_NEW, stops)
+    proposals = []
+    real = engine.drafter.propose
+    engine.drafter.propose = lambda view: proposals.append(1) or real(view)
+    try:
+        engine.prefill(seq)
+        while seq.finish_reason is None:
+            engine.run(StepPlan([seq], max_rows={seq.seq_id: 1}))
+    finally:
+        engine.release(seq)
+    assert not proposals
+    assert seq.output_ids == plain[case[0], "greedy"].output_ids
+    assert seq.stats.accepted_tokens >= 10 and seq.stats.verify_steps < seq.num_generated - 10
