@@ -128,7 +128,7 @@ def encode_prompts(tokenizer, prompts: list[tuple[str, str]]) -> list[list[int]]
 
 
 def write_tiny_llama(path, vocab_size=16, hidden=32, layers=2, heads=4, kv_heads=2, rope_scaling=None, seed=0,
-                     tie=True):
+                     tie=True, embed_scale=3.0):
     """A random Llama saved by transformers itself (config.json + model.safetensors) into ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -139,7 +139,7 @@ def write_tiny_llama(path, vocab_size=16, hidden=32, layers=2, heads=4, kv_heads
                       tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=1)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger logits than the default init, so distributions are far from uniform
-        model.lm_head.weight.mul_(10.0) if not tie else model.model.embed_tokens.weight.mul_(3.0)
+        model.lm_head.weight.mul_(10.0) if not tie else model.model.embed_tokens.weight.mul_(embed_scale)
     model.save_pretrained(str(path))
     return json.loads((path / "config.json").read_text())
 

@@ -26,6 +26,7 @@ residual bug is caught there too.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,8 +158,24 @@ def target(tiny_dir):
     torch.set_num_threads(threads)
 
 
+# The engine's device: CPU here and in CI; SPECSERVE_TEST_DEVICE=cuda runs the same checks on a GPU (the reference
+# stays transformers' float64 on the CPU) with a wider tiny target (SPECSERVE_TEST_WIDE=1: that target on the CPU).
+DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
+
+if DEVICE != "cpu" or os.environ.get("SPECSERVE_TEST_WIDE"):
+    @pytest.fixture(scope="module")
+    def tiny_dir(tmp_path_factory):
+        """The compiled Triton kernels take head dims of 16 and more: a wider tiny target, its embeddings scaled so
+        its distributions are about as spread as the default one's (mean entropy ~2.4 nats)."""
+        from tests.conftest import write_tiny_llama
+
+        d = tmp_path_factory.mktemp("tiny-llama-wide")
+        write_tiny_llama(d, hidden=64, embed_scale=1.8)
+        return d
+
+
 def _config(tiny_dir, drafter: dict | None = None, slots: int = 1):
-    return config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+    return config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": DEVICE},
                              "cache": {"num_slots": slots, "max_seq_len": 32}, "drafter": drafter or {}})
 
 
