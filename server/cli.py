@@ -93,7 +93,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
                               presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                               repetition_penalty=a.repetition_penalty)
     rep = run_offline(cfg, [a.drafter or "none"], a.prompts, a.max_tokens, a.baseline, a.repeats, log=log_stderr,
-                      sampling=sampling, grammar=not a.no_grammar)
+                      sampling=sampling, grammar=not a.no_grammar, free_baseline=a.free_baseline)
     emit(format_report(rep), rep, a.json)
     return 0
 
@@ -230,6 +230,8 @@ def add_commands(sub) -> None:
     bo.add_argument("--prompts", required=True, help="JSONL: one {messages} or {prompt} per line, optionally with "
                     "an OpenAI response_format the output is constrained to")
     bo.add_argument("--no-grammar", action="store_true", help="ignore the prompts' response_format (unconstrained)")
+    bo.add_argument("--free-baseline", action="store_true",
+                    help="also time `none` without the prompts' response_format, in the same run (row none-free)")
     bo.add_argument("--max-tokens", type=int, default=64)
     bo.add_argument("--baseline", choices=["hf"], default=None)
     bo.add_argument("--repeats", type=int, default=1, help="passes over the prompts; tok/s is their median")

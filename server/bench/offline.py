@@ -79,7 +79,9 @@ def _drafter_counters(drafter) -> tuple[int, float]:
 
 def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_tokens: int,
                 baseline: str | None = None, repeats: int = 1, log=print,
-                sampling: SamplingParams | None = None, grammar: bool = True) -> dict:
+                sampling: SamplingParams | None = None, grammar: bool = True, free_baseline: bool = False) -> dict:
+    """``grammar``: constrain each prompt by its record's response_format; ``free_baseline``: also time `none` on
+    the same prompts without it (the row ``none-free``), in the same interleaved run."""
     specs = {label: (name, opts) for label, name, opts in parse_specs(",".join(drafters))}
     specs.pop("none", None)
     names = ["none", *specs]
@@ -95,6 +97,9 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
     # a record's response_format constrains its output (grammar False: the same prompts unconstrained)
     formats = [response_format_grammar(r.get("response_format")) if grammar else (None, None) for r in records]
     engines = {"none": Engine(cfg, create_drafter("none", target), target)}
+    if free_baseline:
+        engines[FREE] = Engine(cfg, create_drafter("none", target), target)
+        names.insert(1, FREE)
     for label, (name, opts) in specs.items():
         engines[label] = Engine(cfg, create_drafter(name, target, {**cfg.drafter.options_for(name), **opts}), target)
     hf_model = None
@@ -122,7 +127,7 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
             for n, eng in engines.items():
                 f0, d0 = _drafter_counters(eng.drafter)
                 sp = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-                if formats[i][0] is not None:
+                if formats[i][0] is not None and n != FREE:
                     sp = dataclasses.replace(sp, grammar=formats[i][0])
                 out = eng.generate(ids, sp, max_new_tokens=max_tokens, stop_token_ids=stops)
                 f1, d1 = _drafter_counters(eng.drafter)
@@ -160,6 +165,7 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
     for n in names:
         v, st, dr, ac = steps[n]
         same = [a == b for a, b in zip(outputs[n], outputs["none"])]
+        free = n == FREE  # other outputs by design
         _, _, d_fwd, d_s = timing[n]
         drafter_s = d_s / d_fwd if d_fwd else 0.0
         c = drafter_s / target_s if target_s > 0 else 0.0
@@ -169,14 +175,14 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
             "acceptance_rate": round(ac / dr, 4) if dr else 0.0,
             "target_forwards": v + len(prompts), "draft_tokens": dr, "accepted_tokens": ac,
             "speedup_vs_none": round(tps[n] / tps["none"], 3),
-            "lossless": all(same) if comparable else None,
-            "lossless_fraction": sum(same) / len(same) if comparable else None,
+            "lossless": all(same) if comparable and not free else None,
+            "lossless_fraction": sum(same) / len(same) if comparable and not free else None,
             "drafter_forwards": drafter_forwards[n], "drafter_forward_ms": round(1000 * drafter_s, 4),
             "cost_coefficient": round(c, 4),
             "swi": round(toks[n][0] / (v + len(prompts) + drafter_forwards[n] * c), 4),
             "outputs": outputs[n],
         })
-        if report["constrained"]:
+        if report["constrained"] and not free:
             report["results"][-1]["valid_fraction"] = _valid_fraction(tok, outputs[n], formats)
     if hf_model is not None:
         hf_tps = statistics.median(t / s for t, s in zip(hf_toks, hf_secs))
@@ -186,6 +192,9 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         for row in report["results"]:
             row["speedup_vs_hf"] = round(row["tokens_per_s"] / hf_tps, 3)
     return report
+
+
+FREE = "none-free"  # `none` on the same prompts without their response_format (``free_baseline``)
 
 
 def _valid_fraction(tok, outputs: list[list[int]], formats) -> float:
