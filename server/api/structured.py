@@ -89,6 +89,26 @@ def check_schema(schema: Any, what: str) -> None:
         raise FieldError(f"{what} is nested too deeply.") from None
 
 
+def check_text(value: Any, what: str) -> None:
+    """Every string in a JSON value (keys included) must survive the prompt and the tokenizer: no NUL, no lone
+    surrogate."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, str):
+            if "\x00" in v:
+                raise FieldError(f"{what} must not contain NUL characters.")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FieldError(f"{what} must be valid Unicode (no lone surrogates).") from None
+
+
 def _short(text: str, limit: int = 300) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + "..."
@@ -99,6 +119,7 @@ def parse_response_format(v: Any) -> ResponseFormat | None:
         return None
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
         raise FieldError("`response_format` must be an object with a string `type`.")
+    check_text(v, "`response_format`")
     kind = v["type"]
     if kind not in RESPONSE_TYPES:
         raise FieldError(f"`response_format.type` must be one of {', '.join(map(repr, RESPONSE_TYPES))}; "
@@ -159,6 +180,7 @@ def parse_tools(v: Any) -> list[ToolSpec] | None:
         raise FieldError("`tools` must be a list of tools.")
     if len(v) > MAX_TOOLS:
         raise FieldError(f"`tools` accepts at most {MAX_TOOLS} tools; it has {len(v)}.")
+    check_text(v, "`tools`")
     out = []
     for i, tool in enumerate(v):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -176,6 +198,7 @@ def parse_functions(v: Any) -> list[ToolSpec] | None:
         raise FieldError("`functions` must be a list of functions.")
     if len(v) > MAX_TOOLS:
         raise FieldError(f"`functions` accepts at most {MAX_TOOLS} functions; it has {len(v)}.")
+    check_text(v, "`functions`")
     return _unique([_parse_function(fn, f"functions[{i}]") for i, fn in enumerate(v)], "functions")
 
 

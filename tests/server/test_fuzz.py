@@ -26,8 +26,46 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.flo
                     st.text(max_size=12), edge_numbers)
 json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
                                                                                           max_size=3), max_leaves=8)
-message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
-                                 "content": st.one_of(st.text(max_size=20), json_values)})
+# Messages of every role, with the tool fields a conversation with tools carries (valid or not).
+tool_call = st.fixed_dictionaries({"id": st.one_of(st.just("call_1"), json_values), "type": st.just("function"),
+                                   "function": st.fixed_dictionaries({
+                                       "name": st.one_of(st.just("add"), st.text(max_size=6)),
+                                       "arguments": st.one_of(st.just('{"a": 1}'), st.text(max_size=8), json_values)})})
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "function", ""]),
+     "content": st.one_of(st.text(max_size=20), json_values)},
+    optional={"tool_calls": st.one_of(st.lists(tool_call, max_size=2), json_values),
+              "tool_call_id": st.one_of(st.text(max_size=6), json_values), "name": st.one_of(st.text(max_size=6),
+                                                                                            json_values)})
+
+# response_format and tools: plausible shapes (small schemas, some the grammar engine cannot enforce) or any value.
+schemas = st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer", "maximum": 9}, {"enum": ["a", 1]},
+                                     {"type": "array", "uniqueItems": True}, {"type": "strin"}, {"not": {}},
+                                     {"$ref": "#/nope"}, {"type": "string", "pattern": "(?=x)"}, True, False]),
+                    json_values)
+response_format = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+                          optional={"json_schema": st.fixed_dictionaries(
+                              {"name": st.one_of(st.just("s"), st.text(max_size=4)), "schema": schemas},
+                              optional={"strict": json_values})}),
+    json_values)
+function = st.fixed_dictionaries({"name": st.one_of(st.sampled_from(["add", "f"]), st.text(max_size=5))},
+                                 optional={"parameters": st.one_of(st.just({"type": "object", "properties": {
+                                     "a": {"type": "integer"}}}), schemas), "description": json_values,
+                                     "strict": json_values})
+tools = st.one_of(st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]),
+                                                  "function": function}), max_size=3), json_values)
+tool_fields = {
+    "response_format": response_format,
+    "tools": tools,
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", "any"]),
+                             st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                                 {"name": st.sampled_from(["add", "f", "g"])})}), json_values),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_values),
+    "functions": st.one_of(st.lists(function, max_size=2), json_values),
+    "function_call": st.one_of(st.sampled_from(["none", "auto"]), st.fixed_dictionaries(
+        {"name": st.sampled_from(["add", "f"])}), json_values),
+}
 
 
 def numeric(*valid):
@@ -71,7 +109,7 @@ chat_body = st.fixed_dictionaries(
     optional={"messages": st.one_of(st.lists(message, max_size=3), json_values),
               "max_completion_tokens": small_max_tokens, **sampling_fields,
               "logprobs": st.one_of(st.booleans(), json_values), "top_logprobs": numeric(st.integers(-1, 22)),
-              "extra_field": json_values})
+              "extra_field": json_values, **tool_fields})
 completion_body = st.fixed_dictionaries(
     {"model": st.just("SmolLM2-135M-Instruct"),
      "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-5, 60000), max_size=6),
@@ -79,7 +117,7 @@ completion_body = st.fixed_dictionaries(
      "max_tokens": small_max_tokens},
     optional={**sampling_fields, "logprobs": numeric(st.booleans(), st.integers(-1, 7)),
               "echo": st.one_of(st.booleans(), json_values), "best_of": numeric(st.integers(-1, 3)),
-              "suffix": json_values})
+              "suffix": json_values, "response_format": response_format})
 
 
 def _check(server, path, body):
