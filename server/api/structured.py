@@ -8,6 +8,7 @@ once per server by :class:`GrammarCompiler`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -15,7 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from core.grammar import GrammarError, GrammarTokenizer, json_schema_grammar
+from core.grammar import GrammarError, GrammarTokenizer
+from core.grammar import response_format_grammar as core_response_format_grammar
 
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function and json_schema names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -231,8 +233,8 @@ def parse_function_call(v: Any) -> ToolChoice | None:
 # -- grammars ----------------------------------------------------------------------------------------------------
 class GrammarCompiler:
     """Checks grammar strings against the model's tokenizer (the grammar engine's view of it, built once: about
-    0.4 s for a 49k vocabulary) and remembers the verdicts of recent grammars, so a conversation's repeated tools or
-    schema cost one check."""
+    0.4 s for a 49k vocabulary) and remembers the verdicts of recent grammars (by digest, so large schemas cost no
+    memory), so a conversation's repeated tools or schema cost one check."""
 
     CACHE_SIZE = 256
 
@@ -240,7 +242,7 @@ class GrammarCompiler:
         self._args = (hf_tokenizer, vocab_size, list(eos_token_ids))
         self._tokenizer: GrammarTokenizer | None = None
         self._lock = threading.Lock()
-        self._verdicts: OrderedDict[str, str | None] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> None (valid) or the error
 
     @property
     def tokenizer(self) -> GrammarTokenizer:
@@ -251,10 +253,11 @@ class GrammarCompiler:
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError (the engine's message) where ``grammar`` does not compile for this model."""
+        key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()
         with self._lock:
-            if grammar in self._verdicts:
-                self._verdicts.move_to_end(grammar)
-                error = self._verdicts[grammar]
+            if key in self._verdicts:
+                self._verdicts.move_to_end(key)
+                error = self._verdicts[key]
                 if error is not None:
                     raise GrammarError(error)
                 return
@@ -270,8 +273,10 @@ class GrammarCompiler:
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             error = f"the grammar engine failed on it ({_short(str(e), 120)})"
+        if error is not None:
+            error = _short(error, 1000)
         with self._lock:
-            self._verdicts[grammar] = error
+            self._verdicts[key] = error
             while len(self._verdicts) > self.CACHE_SIZE:
                 self._verdicts.popitem(last=False)
         if error is not None:
@@ -279,10 +284,11 @@ class GrammarCompiler:
 
 
 def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
-    """The grammar of a response format (None: free text). Raises GrammarError."""
+    """The grammar of a response format (None: free text), as ``core.grammar`` compiles OpenAI's. Raises
+    GrammarError."""
     if fmt is None or not fmt.constrained:
         return None
-    return json_schema_grammar(None if fmt.type == "json_object" else fmt.schema)
+    return core_response_format_grammar({"type": fmt.type, "json_schema": {"schema": fmt.schema}})[0]
 
 
 def compile_checked(compiler: GrammarCompiler, build, what: str) -> str | None:

@@ -268,7 +268,7 @@ class ToolCallParser:
     def __init__(self, single: bool = False):
         self.single = single
         self.calls: list[ParsedCall] = []
-        self._phase = "content"  # content | head | args | tail | between
+        self._phase = "content"  # content | head | args | tail | between | skip (a block past the one call)
         self._buf = ""           # content: held text; head / tail / between: unprocessed text of the block
         self._held_ws = ""       # the whitespace held before a trigger (content again if the block is no call)
         self._block = ""         # the current block's text since the trigger (for a block that is no call)
