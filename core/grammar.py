@@ -98,19 +98,24 @@ class GrammarTokenizer:
         m = _llg().LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(m.get_error())
-        return Matcher(m, self.vocab_size)
+        return Matcher(m, self.vocab_size, self.eos_token_ids)
 
 
 class Matcher:
-    """One request's grammar state: the committed tokens consumed, nothing else (tree rows roll back)."""
+    """One request's grammar state: the committed tokens consumed, nothing else (tree rows roll back).
 
-    def __init__(self, m, vocab_size: int):
+    A drafted path may hold an end-of-sequence token (allowed where the grammar accepts): nothing after it is valid
+    (:meth:`valid_prefix`), nothing is forced after it, and the row after it, which the acceptance walk may read for a
+    bonus token the engine drops at the end of sequence, allows end of sequence only."""
+
+    def __init__(self, m, vocab_size: int, eos_token_ids: list[int] | tuple[int, ...] = ()):
         self._m, self.vocab_size = m, vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self._words = (vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
 
     def fork(self) -> "Matcher":
-        return Matcher(self._m.deep_copy(), self.vocab_size)
+        return Matcher(self._m.deep_copy(), self.vocab_size, self.eos_token_ids)
 
     def consume(self, tokens: list[int]) -> None:
         """Commit tokens; each must be allowed (the engine only commits tokens chosen under the mask)."""
@@ -119,13 +124,29 @@ class Matcher:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row from the committed state (nothing is consumed)."""
-        return self._m.validate_tokens(list(tokens)) if tokens else 0
+        tokens = list(tokens)
+        end = self._end(tokens)
+        if end is not None:  # nothing follows an end of sequence
+            tokens = tokens[:end + 1]
+        return self._m.validate_tokens(tokens) if tokens else 0
+
+    def _end(self, tokens: list[int]) -> int | None:
+        """The index of the first end-of-sequence token in ``tokens``, or None."""
+        return next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
 
     def allowed(self, path: list[int] = ()) -> torch.Tensor:
         """[V] bool: the tokens allowed after the committed tokens plus ``path`` (which must be allowed)."""
+        path = list(path)
+        end = self._end(path)
+        if end is not None:  # the row after an end of sequence: its token is never emitted
+            if self.valid_prefix(path[:end + 1]) != end + 1:
+                raise GrammarError("a drafted path outside the grammar was read")
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[list(self.eos_token_ids)] = True
+            return mask
         n = len(path)
         if n:
-            k = self._m.try_consume_tokens(list(path))
+            k = self._m.try_consume_tokens(path)
             if k != n:
                 self._m.rollback(k)
                 raise GrammarError("a drafted path outside the grammar was read")
@@ -140,9 +161,12 @@ class Matcher:
     def forced(self, path: list[int] = ()) -> list[int]:
         """The tokens the grammar forces after the committed tokens plus ``path`` (canonical tokenization of the
         forced bytes; empty where more than one continuation is allowed, or ``path`` leaves the grammar)."""
+        path = list(path)
+        if self._end(path) is not None:
+            return []
         n = len(path)
         if n:
-            k = self._m.try_consume_tokens(list(path))
+            k = self._m.try_consume_tokens(path)
             if k != n:
                 if k:
                     self._m.rollback(k)

@@ -289,3 +289,21 @@ def test_a_step_the_budget_keeps_plain_still_takes_the_forced_tokens(int4, gramm
     assert not proposals
     assert seq.output_ids == plain[case[0], "greedy"].output_ids
     assert seq.stats.accepted_tokens >= 10 and seq.stats.verify_steps < seq.num_generated - 10
+
+
+def test_a_drafted_end_of_sequence_ends_the_path(grammar_tokenizer, tokenizer, stops):
+    """Where the grammar accepts, end of sequence is a valid draft; nothing after it is, and the row after it (read
+    for a bonus token the engine drops) allows end of sequence only, instead of failing the request."""
+    from core.grammar import regex_grammar
+    from server.engine.acceptance import path_tokens
+
+    m = grammar_tokenizer.matcher(regex_grammar("ab"))
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    assert len(ab) == 1
+    eos = stops[-1]
+    out = constrain_tree(DraftTree([5, ab[0], eos, 198], [-1, 0, 1, 2]), m, 8)
+    assert out.tokens == [5, ab[0], eos]  # the token drafted after the end is pruned
+    allowed = m.allowed(path_tokens(out, 2))
+    assert allowed.nonzero().flatten().tolist() == sorted(grammar_tokenizer.eos_token_ids)
+    assert m.forced(path_tokens(out, 2)) == []
+    assert m.valid_prefix([ab[0], eos, 198]) == 2
