@@ -14,6 +14,7 @@ rolled back after (:meth:`Matcher.allowed_after`), so the committed state only e
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,15 +34,22 @@ def _llg():
     return llguidance
 
 
+def _schema_object(schema: dict[str, Any] | bool | None) -> dict[str, Any]:
+    """A JSON schema as an object: None is any JSON object (``response_format: json_object``), true anything, false
+    nothing."""
+    if schema is None:
+        return {"type": "object"}
+    if isinstance(schema, bool):
+        return {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object or a boolean")
+    return schema
+
+
 def json_schema_grammar(schema: dict[str, Any] | bool | None = None) -> str:
     """A JSON schema (None: any JSON object, as ``response_format: json_object``) -> a grammar string. Compact
     separators (``JSON_OPTIONS``) unless the schema's own ``x-guidance`` says otherwise."""
-    if schema is None:
-        schema = {"type": "object"}
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, dict):
-        raise GrammarError("a JSON schema must be an object or a boolean")
+    schema = _schema_object(schema)
     try:
         return _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
@@ -62,9 +70,10 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> tuple[str
     raise GrammarError(f"unknown response_format type {kind!r} (text, json_object, json_schema)")
 
 
-def json_schema_lark(schema: dict[str, Any]) -> str:
-    """A JSON schema as a Lark ``%json`` item (to embed in a larger grammar), with the compact separators."""
-    schema = dict(schema)
+def json_schema_lark(schema: dict[str, Any] | bool | None = None) -> str:
+    """A JSON schema (None, booleans: as :func:`json_schema_grammar`) as a Lark ``%json`` item (to embed in a larger
+    grammar), with the compact separators."""
+    schema = dict(_schema_object(schema))
     schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
     return "%json " + json.dumps(schema)
 
@@ -134,6 +143,17 @@ class Matcher:
         """The index of the first end-of-sequence token in ``tokens``, or None."""
         return next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
 
+    @contextmanager
+    def _after(self, path: list[int]):
+        """The matcher advanced along ``path`` (no end of sequence in it) for the block, rolled back after; yields
+        whether the grammar allows the whole path."""
+        k = self._m.try_consume_tokens(path) if path else 0
+        try:
+            yield k == len(path)
+        finally:
+            if k:
+                self._m.rollback(k)
+
     def allowed(self, path: list[int] = ()) -> torch.Tensor:
         """[V] bool: the tokens allowed after the committed tokens plus ``path`` (which must be allowed)."""
         path = list(path)
@@ -144,18 +164,11 @@ class Matcher:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             mask[list(self.eos_token_ids)] = True
             return mask
-        n = len(path)
-        if n:
-            k = self._m.try_consume_tokens(path)
-            if k != n:
-                self._m.rollback(k)
+        with self._after(path) as ok:
+            if not ok:
                 raise GrammarError("a drafted path outside the grammar was read")
-        try:
             mask = torch.zeros(self._words, dtype=torch.int32)
             self._m.unsafe_compute_mask_ptr(mask.data_ptr(), self._words * 4)
-        finally:
-            if n:
-                self._m.rollback(n)
         return ((mask[:, None] >> self._bits) & 1).bool().flatten()[:self.vocab_size]
 
     def forced(self, path: list[int] = ()) -> list[int]:
@@ -164,18 +177,8 @@ class Matcher:
         path = list(path)
         if self._end(path) is not None:
             return []
-        n = len(path)
-        if n:
-            k = self._m.try_consume_tokens(path)
-            if k != n:
-                if k:
-                    self._m.rollback(k)
-                return []
-        try:
-            return list(self._m.compute_ff_tokens())
-        finally:
-            if n:
-                self._m.rollback(n)
+        with self._after(path) as ok:
+            return list(self._m.compute_ff_tokens()) if ok else []
 
     @property
     def accepting(self) -> bool:

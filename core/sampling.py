@@ -9,10 +9,11 @@ position and on nothing else, so a seeded request returns the same tokens whatev
 else shared its steps and whether the load-aware budget let it draft. A request without a seed keeps a generator
 (:func:`request_generator`) and speculative sampling's rejection rule, which accepts more of a sampled draft.
 
-Shaping, in this order (vLLM's): grammar mask -> logit_bias -> penalties -> (greedy: argmax) -> temperature -> min_p ->
-top-k -> top-p. The first three depend on the request's history (:class:`Shaper`); the engine applies them to every tree row the
-acceptance walk visits with the state of that row's own path (the committed tokens plus the drafted tokens from the
-root to the row), so a speculative step shapes each position exactly as plain decoding would after the same tokens.
+Shaping, in this order (vLLM's): grammar mask -> logit_bias -> penalties -> (greedy: argmax) -> temperature ->
+min_p -> top-k -> top-p. The first three depend on the request's history (:class:`Shaper`); the engine applies them
+to every tree row the acceptance walk visits with the state of that row's own path (the committed tokens plus the
+drafted tokens from the root to the row), so a speculative step shapes each position exactly as plain decoding would
+after the same tokens.
 The rest (:func:`target_probs`) depends on the row alone.
 """
 from __future__ import annotations

@@ -178,19 +178,13 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     elif answer is not None and answer.constrained:
         schema = None if answer.type == "json_object" else answer.schema
         start = [f"start: answer | call{more}",
-                 f"answer: {json_schema_lark({'type': 'object'} if schema is None else _as_object(schema))}"]
+                 f"answer: {json_schema_lark(schema)}"]
     else:
         start = [f"start: TEXT | first{more}",
                  f"first_hd[lazy]: TEXT {_lit(TRIGGER)}",
                  f'first: first_hd {_lit(chr(10))} body {_lit(chr(10) + END)}',
                  "TEXT: /(.|\\n)*/"]
     return "\n".join(["%llguidance {}", *start, f"call: {call}", *rules]) + "\n"
-
-
-def _as_object(schema: Any) -> dict:
-    if isinstance(schema, bool):
-        return {} if schema else {"not": {}}
-    return schema
 
 
 # -- parsing the reply -------------------------------------------------------------------------------------------

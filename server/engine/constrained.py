@@ -50,7 +50,6 @@ def constrain_tree(tree: DraftTree, matcher: Matcher, max_rows: int) -> DraftTre
     has_child = [False] * len(tokens)
     for p in parents[1:]:
         has_child[p] = True
-    forced_rows = 0
     for j in range(len(rows)):  # the kept leaves the grammar allows, in row order
         if has_child[j] or not valid[rows[j]]:
             continue
@@ -63,7 +62,7 @@ def constrain_tree(tree: DraftTree, matcher: Matcher, max_rows: int) -> DraftTre
             tokens.append(t)
             parents.append(parent)
             parent = len(tokens) - 1
-        forced_rows += len(ff)
+    forced_rows = len(tokens) - len(rows)
     if len(rows) == n and not forced_rows:
         return tree
     q = None
