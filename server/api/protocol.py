@@ -76,10 +76,15 @@ _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v is None or v == "", "insertion is not implemented"),
 }
 
-def _structured(parse: Callable[[Any], Any], v: Any) -> Any:
-    """A structured-output or tool field through its parser (server.api.structured); its errors name the field."""
+# The structured-output and tool fields, each with its parser (server.api.structured).
+_STRUCTURED = {"response_format": parse_response_format, "tools": parse_tools, "functions": parse_functions,
+               "tool_choice": parse_tool_choice, "function_call": parse_function_call}
+
+
+def _structured(v: Any, info: ValidationInfo) -> Any:
+    """A structured-output or tool field through its parser; its errors name the field."""
     try:
-        return parse(v)
+        return _STRUCTURED[info.field_name](v)
     except FieldError as e:
         raise _invalid(str(e)) from None
 
@@ -314,30 +319,10 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None  # legacy: list[structured.ToolSpec]
     function_call: Any = None  # legacy: structured.ToolChoice
 
-    @field_validator("response_format")
+    @field_validator(*_STRUCTURED)
     @classmethod
-    def _response_format(cls, v: Any) -> Any:
-        return _structured(parse_response_format, v)
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v: Any) -> Any:
-        return _structured(parse_tools, v)
-
-    @field_validator("functions")
-    @classmethod
-    def _functions(cls, v: Any) -> Any:
-        return _structured(parse_functions, v)
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, v: Any) -> Any:
-        return _structured(parse_tool_choice, v)
-
-    @field_validator("function_call")
-    @classmethod
-    def _function_call(cls, v: Any) -> Any:
-        return _structured(parse_function_call, v)
+    def _structured_fields(cls, v: Any, info: ValidationInfo) -> Any:
+        return _structured(v, info)
 
     @field_validator("parallel_tool_calls", mode="before")
     @classmethod
@@ -409,8 +394,8 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("response_format")
     @classmethod
-    def _response_format(cls, v: Any) -> Any:
-        return _structured(parse_response_format, v)
+    def _response_format(cls, v: Any, info: ValidationInfo) -> Any:
+        return _structured(v, info)
 
     @field_validator("echo", mode="before")
     @classmethod

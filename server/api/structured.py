@@ -166,42 +166,37 @@ def _parse_function(fn: Any, where: str) -> ToolSpec:
     return ToolSpec(name, description, params, strict)
 
 
-def _unique(tools: list[ToolSpec], field: str) -> list[ToolSpec]:
-    seen = set()
-    for t in tools:
-        if t.name in seen:
-            raise FieldError(f"`{field}` names the function '{t.name}' more than once.")
-        seen.add(t.name)
-    return tools
-
-
-def parse_tools(v: Any) -> list[ToolSpec] | None:
+def _parse_list(v: Any, field: str, noun: str, parse_item) -> list[ToolSpec] | None:
+    """A list of at most MAX_TOOLS functions (``parse_item(i, item)`` each), their names unique."""
     if v is None:
         return None
     if not isinstance(v, list):
-        raise FieldError("`tools` must be a list of tools.")
+        raise FieldError(f"`{field}` must be a list of {noun}.")
     if len(v) > MAX_TOOLS:
-        raise FieldError(f"`tools` accepts at most {MAX_TOOLS} tools; it has {len(v)}.")
-    check_text(v, "`tools`")
-    out = []
-    for i, tool in enumerate(v):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise FieldError(f"`tools[{i}]` must be an object of type 'function' (the only tool type this server "
-                             "runs).")
-        out.append(_parse_function(tool.get("function"), f"tools[{i}].function"))
-    return _unique(out, "tools")
+        raise FieldError(f"`{field}` accepts at most {MAX_TOOLS} {noun}; it has {len(v)}.")
+    check_text(v, f"`{field}`")
+    out = [parse_item(i, item) for i, item in enumerate(v)]
+    seen = set()
+    for spec in out:
+        if spec.name in seen:
+            raise FieldError(f"`{field}` names the function '{spec.name}' more than once.")
+        seen.add(spec.name)
+    return out
+
+
+def _parse_tool(i: int, tool: Any) -> ToolSpec:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise FieldError(f"`tools[{i}]` must be an object of type 'function' (the only tool type this server runs).")
+    return _parse_function(tool.get("function"), f"tools[{i}].function")
+
+
+def parse_tools(v: Any) -> list[ToolSpec] | None:
+    return _parse_list(v, "tools", "tools", _parse_tool)
 
 
 def parse_functions(v: Any) -> list[ToolSpec] | None:
     """Legacy ``functions``: a list of function objects."""
-    if v is None:
-        return None
-    if not isinstance(v, list):
-        raise FieldError("`functions` must be a list of functions.")
-    if len(v) > MAX_TOOLS:
-        raise FieldError(f"`functions` accepts at most {MAX_TOOLS} functions; it has {len(v)}.")
-    check_text(v, "`functions`")
-    return _unique([_parse_function(fn, f"functions[{i}]") for i, fn in enumerate(v)], "functions")
+    return _parse_list(v, "functions", "functions", lambda i, fn: _parse_function(fn, f"functions[{i}]"))
 
 
 def parse_tool_choice(v: Any) -> ToolChoice | None:
