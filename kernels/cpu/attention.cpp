@@ -13,44 +13,145 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t D) {
+// 16 lanes of a K or V row, as float32: the pool stores float32 or float16 (converted exactly on load)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 maskload16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskload16(__mmask16 m, const at::Half* p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+template <typename E>
+inline float dot(const float* a, const E* b, int64_t D) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + 16 <= D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
   if (i < D) {
     const __mmask16 m = static_cast<__mmask16>((1u << (D - i)) - 1u);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), maskload16(m, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
 // out[0:D] += p * v[0:D]
-inline void axpy(float* out, float p, const float* v, int64_t D) {
+template <typename E>
+inline void axpy(float* out, float p, const E* v, int64_t D) {
   const __m512 pv = _mm512_set1_ps(p);
   int64_t i = 0;
   for (; i + 16 <= D; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(out + i)));
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(out + i)));
   if (i < D) {
     const __mmask16 m = static_cast<__mmask16>((1u << (D - i)) - 1u);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(m, v + i),
-                                                       _mm512_maskz_loadu_ps(m, out + i)));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pv, maskload16(m, v + i), _mm512_maskz_loadu_ps(m, out + i)));
   }
 }
 
-}  // namespace
+// p[0:n] <- exp(p - max(p)) in place; returns 1 / sum (lane sums added in a fixed order)
+inline float softmax_numerators(float* p, int64_t n, float mx) {
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(mx);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), mv));
+    _mm512_storeu_ps(p + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + j), mv)));
+    _mm512_mask_storeu_ps(p + j, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
 
-namespace {
+// The key rows of one task: cache rows 0 .. cached - 1 in place, then the listed extra rows (tree order).
+struct Keys {
+  int64_t cached, n_extra;
+  const int64_t* extra;
+  template <typename F>
+  inline void each(F f) const {
+    for (int64_t j = 0; j < cached; ++j) f(j, j);
+    for (int64_t e = 0; e < n_extra; ++e) f(cached + e, extra[e]);
+  }
+};
+
+// D = 64: NH query heads of one KV head together, so each K and V row is loaded (and converted) once for all of
+// them. Every head's arithmetic is the one-head sequence: scores, softmax, weighted sum in key order.
+template <typename E, int NH>
+void heads64(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, int64_t vs2, const Keys& keys,
+             int64_t n, float scale, float* p, int64_t np) {
+  __m512 qr[NH][4];
+  float mx[NH];
+  for (int h = 0; h < NH; ++h) {
+    for (int i = 0; i < 4; ++i) qr[h][i] = _mm512_loadu_ps(q + h * 64 + 16 * i);
+    mx[h] = -INFINITY;
+  }
+  keys.each([&](int64_t j, int64_t row) {
+    const E* kr = kh + row * ks2;
+    const __m512 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
+    for (int h = 0; h < NH; ++h) {
+      __m512 a = _mm512_mul_ps(qr[h][0], k0);
+      __m512 b = _mm512_mul_ps(qr[h][1], k1);
+      a = _mm512_fmadd_ps(qr[h][2], k2, a);
+      b = _mm512_fmadd_ps(qr[h][3], k3, b);
+      const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+      p[h * np + j] = s;
+      mx[h] = std::fmax(mx[h], s);
+    }
+  });
+  float inv[NH];
+  for (int h = 0; h < NH; ++h) inv[h] = softmax_numerators(p + h * np, n, mx[h]);
+  __m512 acc[NH][4];
+  for (int h = 0; h < NH; ++h)
+    for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
+  keys.each([&](int64_t j, int64_t row) {
+    const E* vr = vh + row * vs2;
+    const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h * np + j]);
+      acc[h][0] = _mm512_fmadd_ps(pj, v0, acc[h][0]);
+      acc[h][1] = _mm512_fmadd_ps(pj, v1, acc[h][1]);
+      acc[h][2] = _mm512_fmadd_ps(pj, v2, acc[h][2]);
+      acc[h][3] = _mm512_fmadd_ps(pj, v3, acc[h][3]);
+    }
+  });
+  for (int h = 0; h < NH; ++h) {
+    const __m512 iv = _mm512_set1_ps(inv[h]);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + h * 64 + 16 * i, _mm512_mul_ps(acc[h][i], iv));
+  }
+}
+
+// Any head size, one head at a time.
+template <typename E>
+void head_any(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, int64_t vs2, const Keys& keys,
+              int64_t n, int64_t D, float scale, float* p) {
+  float mx = -INFINITY;
+  keys.each([&](int64_t j, int64_t row) {
+    p[j] = dot(q, kh + row * ks2, D) * scale;
+    mx = std::fmax(mx, p[j]);
+  });
+  const float inv = softmax_numerators(p, n, mx);
+  for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+  keys.each([&](int64_t j, int64_t row) { axpy(o, p[j], vh + row * vs2, D); });
+  const __m512 iv = _mm512_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_loadu_ps(o + i), iv));
+  for (; i < D; ++i) o[i] *= inv;
+}
 
 void check_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t T, const torch::Tensor& slot,
                 const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "attend: k and v [slots, H_kv, S, D]");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat, "attend: float32 only");
+  TORCH_CHECK((k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf) &&
+              v.scalar_type() == k.scalar_type(), "attend: k and v both float32 or both float16");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(), "attend: k and v rows");
   for (const auto* t : {&slot, &cached, &base, &bits})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->numel() == T && t->is_contiguous(), "attend: row specs");
@@ -69,6 +170,7 @@ void check_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t T, const
 }
 
 // q [T, H, D] (contiguous float32) -> out [T, H, D]; the rows' specs checked by check_rows
+template <typename E>
 void attend_rows(const float* qp, int64_t T, int64_t H, int64_t D, const torch::Tensor& k, const torch::Tensor& v,
                  const int64_t* slot_p, const int64_t* cached_p, const int64_t* base_p, const int64_t* bits_p,
                  float* op) {
@@ -76,96 +178,90 @@ void attend_rows(const float* qp, int64_t T, int64_t H, int64_t D, const torch::
   const int64_t g = H / Hkv;
   int64_t work = 0;
   for (int64_t t = 0; t < T; ++t) work += cached_p[t] + __builtin_popcountll(static_cast<uint64_t>(bits_p[t]));
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const E* kp = k.data_ptr<E>();
+  const E* vp = v.data_ptr<E>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  // one task per (row, KV head); a thread is worth waking from a few thousand key reads
+  // One task per (KV head, row), head-major: a thread's consecutive tasks read the same head of a slot, which stays
+  // in its cache. A thread is worth waking from a few thousand key reads.
   const int64_t tasks = T * Hkv;
   const int64_t grain = std::max<int64_t>(1, 2048 * tasks / std::max<int64_t>(1, work * Hkv));
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
     std::vector<float> p;
     int64_t extra[64];
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t t = task / Hkv, hk = task % Hkv;
-      // keys: cache rows 0 .. cached - 1, then the rows of the set bits (tree order)
-      const int64_t cached_n = cached_p[t];
+      const int64_t hk = task / T, t = task % T;
       int64_t n_extra = 0;
       for (uint64_t b = static_cast<uint64_t>(bits_p[t]); b; b &= b - 1) extra[n_extra++] = base_p[t] + __builtin_ctzll(b);
-      const int64_t n = cached_n + n_extra;
-      auto key_row = [&](int64_t j) { return j < cached_n ? j : extra[j - cached_n]; };
-      const float* kh = kp + slot_p[t] * ks0 + hk * ks1;
-      const float* vh = vp + slot_p[t] * vs0 + hk * vs1;
-      p.resize(n + 16);
-      for (int64_t h = hk * g; h < (hk + 1) * g; ++h) {
-        const float* qh = qp + (t * H + h) * D;
-        float* oh = op + (t * H + h) * D;
-        if (n == 0) {
-          for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
-          continue;
+      const Keys keys{cached_p[t], n_extra, extra};
+      const int64_t n = keys.cached + n_extra;
+      const E* kh = kp + slot_p[t] * ks0 + hk * ks1;
+      const E* vh = vp + slot_p[t] * vs0 + hk * vs1;
+      const float* q = qp + (t * H + hk * g) * D;
+      float* o = op + (t * H + hk * g) * D;
+      if (n == 0) {
+        for (int64_t i = 0; i < g * D; ++i) o[i] = 0.f;
+        continue;
+      }
+      const int64_t np = n + 16;
+      p.resize(std::min<int64_t>(g, 3) * np);
+      if (D == 64) {  // the common head size: queries and outputs in registers, up to 3 heads per K/V load
+        for (int64_t h = 0; h < g; h += 3) {
+          const int64_t nh = std::min<int64_t>(3, g - h);
+          const float* qh = q + h * 64;
+          float* oh = o + h * 64;
+          if (nh == 3) heads64<E, 3>(qh, oh, kh, vh, ks2, vs2, keys, n, scale, p.data(), np);
+          else if (nh == 2) heads64<E, 2>(qh, oh, kh, vh, ks2, vs2, keys, n, scale, p.data(), np);
+          else heads64<E, 1>(qh, oh, kh, vh, ks2, vs2, keys, n, scale, p.data(), np);
         }
-        float mx = -INFINITY;
-        if (D == 64) {  // the common head size: the query and the output in registers
-          const __m512 q0 = _mm512_loadu_ps(qh), q1 = _mm512_loadu_ps(qh + 16), q2 = _mm512_loadu_ps(qh + 32),
-                       q3 = _mm512_loadu_ps(qh + 48);
-          for (int64_t j = 0; j < n; ++j) {
-            const float* kr = kh + key_row(j) * ks2;
-            __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kr));
-            __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(kr + 16));
-            a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kr + 32), a);
-            b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kr + 48), b);
-            p[j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-            mx = std::fmax(mx, p[j]);
-          }
-        } else {
-          for (int64_t j = 0; j < n; ++j) {
-            p[j] = dot(qh, kh + key_row(j) * ks2, D) * scale;
-            mx = std::fmax(mx, p[j]);
-          }
-        }
-        // exponentials 16 at a time; lane sums added in a fixed order
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 mv = _mm512_set1_ps(mx);
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-          const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(p.data() + j), mv));
-          _mm512_storeu_ps(p.data() + j, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (j < n) {
-          const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
-          const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.data() + j), mv)));
-          _mm512_mask_storeu_ps(p.data() + j, m, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        if (D == 64) {
-          __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const float* vr = vh + key_row(jj) * vs2;
-            const __m512 pj = _mm512_set1_ps(p[jj]);
-            o0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr), o0);
-            o1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16), o1);
-            o2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 32), o2);
-            o3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 48), o3);
-          }
-          const __m512 iv = _mm512_set1_ps(inv);
-          _mm512_storeu_ps(oh, _mm512_mul_ps(o0, iv));
-          _mm512_storeu_ps(oh + 16, _mm512_mul_ps(o1, iv));
-          _mm512_storeu_ps(oh + 32, _mm512_mul_ps(o2, iv));
-          _mm512_storeu_ps(oh + 48, _mm512_mul_ps(o3, iv));
-          continue;
-        }
-        for (int64_t i = 0; i < D; ++i) oh[i] = 0.f;
-        for (int64_t jj = 0; jj < n; ++jj) axpy(oh, p[jj], vh + key_row(jj) * vs2, D);
-        const __m512 iv = _mm512_set1_ps(inv);
-        int64_t i = 0;
-        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(oh + i, _mm512_mul_ps(_mm512_loadu_ps(oh + i), iv));
-        for (; i < D; ++i) oh[i] *= inv;
+      } else {
+        for (int64_t h = 0; h < g; ++h) head_any(q + h * D, o + h * D, kh, vh, ks2, vs2, keys, n, D, scale, p.data());
       }
     }
   });
+}
+
+void attend_any(const float* qp, int64_t T, int64_t H, int64_t D, const torch::Tensor& k, const torch::Tensor& v,
+                const int64_t* slot_p, const int64_t* cached_p, const int64_t* base_p, const int64_t* bits_p,
+                float* op) {
+  if (k.scalar_type() == torch::kHalf)
+    attend_rows<at::Half>(qp, T, H, D, k, v, slot_p, cached_p, base_p, bits_p, op);
+  else
+    attend_rows<float>(qp, T, H, D, k, v, slot_p, cached_p, base_p, bits_p, op);
+}
+
+// A row's K (after RoPE) or V into the pool, rounded to the pool's type there
+inline void store_row(float* dst, const float* src, int64_t D) { std::copy(src, src + D, dst); }
+inline void store_row(at::Half* dst, const float* src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+template <typename E>
+void write_rows(const float* x, const float* c, const float* s, float* qp, const torch::Tensor& k,
+                const torch::Tensor& v, const int64_t* slot_p, const int64_t* pos_p, int64_t T, int64_t H,
+                int64_t Hkv, int64_t D) {
+  E* kp = k.data_ptr<E>();
+  E* vp = v.data_ptr<E>();
+  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
+  std::vector<float> rot(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * width;
+    const float* ct = c + t * D;
+    const float* st = s + t * D;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      const float* in = row + h * D;
+      float* o = h < H ? qp + (t * H + h) * D : rot.data();
+      for (int64_t i = 0; i < D; ++i) {
+        const float rolled = in[i < half ? i + half : i - half];
+        o[i] = in[i] * ct[i] + rolled * st[i];
+      }
+      if (h >= H)
+        store_row(kp + slot_p[t] * k.stride(0) + (h - H) * k.stride(1) + pos_p[t] * k.stride(2), rot.data(), D);
+    }
+    for (int64_t h = 0; h < Hkv; ++h)
+      store_row(vp + slot_p[t] * v.stride(0) + h * v.stride(1) + pos_p[t] * v.stride(2), row + (H + Hkv + h) * D, D);
+  }
 }
 
 }  // namespace
@@ -179,8 +275,8 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   check_rows(k, v, T, slot, cached, base, bits);
   TORCH_CHECK(k.size(3) == D && H % k.size(1) == 0, "attend: head sizes");
   auto out = torch::empty({T, H, D}, q.options());
-  attend_rows(qc.data_ptr<float>(), T, H, D, k, v, slot.data_ptr<int64_t>(), cached.data_ptr<int64_t>(),
-              base.data_ptr<int64_t>(), bits.data_ptr<int64_t>(), out.data_ptr<float>());
+  attend_any(qc.data_ptr<float>(), T, H, D, k, v, slot.data_ptr<int64_t>(), cached.data_ptr<int64_t>(),
+             base.data_ptr<int64_t>(), bits.data_ptr<int64_t>(), out.data_ptr<float>());
   return out;
 }
 
@@ -203,34 +299,14 @@ torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, co
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos_p[t] >= 0 && pos_p[t] < k.size(2), "rope_attend: row ", t, " writes outside the slot");
   auto q = torch::empty({T, H, D}, qkv.options());
-  const float* x = qkv.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = sin.data_ptr<float>();
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
-  const int64_t half = D / 2, width = (H + 2 * Hkv) * D;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = x + t * width;
-    const float* ct = c + t * D;
-    const float* st = s + t * D;
-    for (int64_t h = 0; h < H + Hkv; ++h) {
-      const float* in = row + h * D;
-      float* o = h < H ? qp + (t * H + h) * D : kp + slot_p[t] * k.stride(0) + (h - H) * k.stride(1) +
-                                                  pos_p[t] * k.stride(2);
-      for (int64_t i = 0; i < D; ++i) {
-        const float rolled = in[i < half ? i + half : i - half];
-        o[i] = in[i] * ct[i] + rolled * st[i];
-      }
-    }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const float* in = row + (H + Hkv + h) * D;
-      float* o = vp + slot_p[t] * v.stride(0) + h * v.stride(1) + pos_p[t] * v.stride(2);
-      for (int64_t i = 0; i < D; ++i) o[i] = in[i];
-    }
-  }
+  if (k.scalar_type() == torch::kHalf)
+    write_rows<at::Half>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), k,
+                         v, slot_p, pos_p, T, H, Hkv, D);
+  else
+    write_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), k, v,
+                      slot_p, pos_p, T, H, Hkv, D);
   auto out = torch::empty({T, H * D}, qkv.options());
-  attend_rows(qp, T, H, D, k, v, slot_p, cached.data_ptr<int64_t>(), base.data_ptr<int64_t>(),
-              bits.data_ptr<int64_t>(), out.data_ptr<float>());
+  attend_any(q.data_ptr<float>(), T, H, D, k, v, slot_p, cached.data_ptr<int64_t>(), base.data_ptr<int64_t>(),
+             bits.data_ptr<int64_t>(), out.data_ptr<float>());
   return out;
 }

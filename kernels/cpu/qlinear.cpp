@@ -249,11 +249,16 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x) {
 // attention.cpp
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
                      const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits);
+torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
+                          const torch::Tensor& pos, const torch::Tensor& cached, const torch::Tensor& base,
+                          const torch::Tensor& bits, int64_t H);
 void bind_decoder(pybind11::module& mod);  // decoder.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   bind_decoder(mod);
   mod.def("attend", &attend, "row-invariant float32 attention over listed cache rows (AVX-512)");
+  mod.def("rope_attend", &rope_attend, "RoPE, the rows' K/V written into the pool, then attend (one layer)");
   mod.def("qlinear", &qlinear, "block-quantized x @ W.T (AVX-512 VNNI), with an optional fused RMSNorm or SwiGLU "
           "before and residual after", pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("d"),
           pybind11::arg("m"), pybind11::arg("N"), pybind11::arg("bits"), pybind11::arg("norm") = pybind11::none(),

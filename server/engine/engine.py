@@ -45,14 +45,16 @@ class Engine:
         self.model = target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype
+        # the quantized CPU target in float32: every row through the row-invariant C++ attention, K/V kept in float16
+        self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
+        kv_dtype = torch.float16 if self.exact_cpu else self.dtype
         slots = cfg.cache.num_slots or auto_num_slots(bytes_per_slot(
-            a.num_layers, a.num_kv_heads, cfg.cache.max_seq_len, a.head_dim, a.hidden_size, self.dtype), self.device)
+            a.num_layers, a.num_kv_heads, cfg.cache.max_seq_len, a.head_dim, a.hidden_size, self.dtype, kv_dtype),
+            self.device)
         self.pool = KVCachePool(a.num_layers, slots, a.num_kv_heads, cfg.cache.max_seq_len,
-                                a.head_dim, a.hidden_size, self.dtype, self.device)
+                                a.head_dim, a.hidden_size, self.dtype, self.device, kv_dtype)
         self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
         self.max_seq_len = cfg.cache.max_seq_len
-        # the quantized CPU target in float32: every row through the row-invariant C++ attention
-        self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
         self._ids = itertools.count()
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
         self._running: dict[int, Sequence] = {}  # slot -> the sequence running in it

@@ -3,7 +3,8 @@
 Layout ``[L, num_slots, H_kv, S, D]``: a (layer, slot) view is a contiguous ``[H_kv, S, D]`` block, which is what
 attention reads, and one kernel launch can compact a slot's accepted rows across every layer. Beside K/V the pool
 keeps the target's last-layer hidden state of every cached token (``[num_slots, S, hidden]``) for feature-level
-drafters.
+drafters. K and V may be stored narrower than the model computes (the quantized CPU target keeps float16 K/V and
+computes in float32: half the bytes a decode step reads per cached token, as llama.cpp's default f16 cache).
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ AUTO_MEMORY_SHARE = 0.25  # of the memory free at start, for an automatically si
 
 
 def bytes_per_slot(num_layers: int, num_kv_heads: int, max_seq_len: int, head_dim: int, hidden_size: int,
-                   dtype: torch.dtype) -> int:
-    """K and V of every layer plus the hidden states, for one sequence of ``max_seq_len`` tokens."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    return (2 * num_layers * num_kv_heads * head_dim + hidden_size) * max_seq_len * item
+                   dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+    """K and V of every layer (in ``kv_dtype``, default ``dtype``) plus the hidden states (``dtype``), for one
+    sequence of ``max_seq_len`` tokens."""
+    item, kv_item = (torch.empty(0, dtype=d).element_size() for d in (dtype, kv_dtype or dtype))
+    return (2 * num_layers * num_kv_heads * head_dim * kv_item + hidden_size * item) * max_seq_len
 
 
 def auto_num_slots(per_slot: int, device: torch.device) -> int:
@@ -44,10 +46,10 @@ def auto_num_slots(per_slot: int, device: torch.device) -> int:
 
 class KVCachePool:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
         shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, slots, H_kv, S, D]
+        self.k = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)  # [L, slots, H_kv, S, D]
+        self.v = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)  # [L, slots, H_kv, S, D]
         self.hidden = torch.zeros(num_slots, max_seq_len, hidden_size, dtype=dtype, device=device)  # [slots, S, hid]
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len

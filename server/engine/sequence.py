@@ -102,7 +102,9 @@ class SeqView:
 
     def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self._seq.cache_len
-        return self._pool.k[layer, self._seq.slot, :, :n], self._pool.v[layer, self._seq.slot, :, :n]
+        k, v = self._pool.k[layer, self._seq.slot, :, :n], self._pool.v[layer, self._seq.slot, :, :n]
+        dtype = self._pool.hidden.dtype  # the model's: a narrower K/V store is widened for the reader
+        return k.to(dtype), v.to(dtype)
 
     def target_hidden(self) -> torch.Tensor:
         return self._pool.hidden[self._seq.slot, :self._seq.cache_len]

@@ -43,7 +43,7 @@ CASES = [
     ("json_object", json_schema_grammar(None), {"type": "object"}, lambda s: s,
      "Reply with a JSON object with two keys, name and age, for a cat called Tom aged 3."),
     ("schema", json_schema_grammar(PERSON), PERSON, lambda s: s,
-     "Extract as JSON: Maria, 34, an admin with code MX-123, is friends with Ana."),
+     "Extract as JSON: Maria, 34, an admin with code MX-123, is friends with Ana and Bob."),
     ("named tool", lark_grammar(f'start: "<tool_call>\\n" {json_schema_lark(TOOL_CALL)} "\\n</tool_call>"'),
      TOOL_CALL, lambda s: s.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"),
      "What's the weather in Paris? Call the get_weather tool."),

@@ -54,6 +54,20 @@ def test_the_target_runs_the_kernel_path_this_machine_has(int4_target):
         assert int4_target.model.lm_head.weight.bits == 8 and w.bits == 4
 
 
+def test_the_served_target_keeps_k_and_v_in_float16_and_sizes_its_slots_by_them(int4_config, int4_target):
+    """The row-invariant CPU path stores K/V in float16 (half the bytes per cached token that a step reads), the
+    hidden rows in float32; auto-sized pools count the narrower rows. Other paths keep the model's dtype."""
+    import torch
+
+    from server.engine.kv_cache import bytes_per_slot
+
+    engine = Engine(int4_config, target=int4_target)
+    want = torch.float16 if engine.exact_cpu else torch.float32
+    assert engine.pool.k.dtype == engine.pool.v.dtype == want and engine.pool.hidden.dtype == torch.float32
+    assert bytes_per_slot(30, 3, 512, 64, 576, torch.float32, torch.float16) == (2 * 30 * 3 * 64 * 2 + 576 * 4) * 512
+    assert bytes_per_slot(30, 3, 512, 64, 576, torch.bfloat16) == (2 * 30 * 3 * 64 + 576) * 512 * 2
+
+
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_and_seeded_speculation_equal_plain_on_the_quantized_target(int4_config, int4_target, prompt_ids,
                                                                            stops, plain, name):

@@ -16,10 +16,13 @@ L = torch.long
 NS, HKV, S, D, H = 3, 3, 160, 64, 9
 
 
-@pytest.fixture
-def pool():
+@pytest.fixture(params=[torch.float32, torch.float16], ids=["f32", "f16"])
+def pool(request):
+    """A layer of the KV pool, float32 or float16 (the quantized CPU target stores K/V in float16; the kernel widens
+    each row exactly on load, so the reference reads the same rounded values)."""
     g = torch.Generator().manual_seed(0)
-    return torch.randn(NS, HKV, S, D, generator=g), torch.randn(NS, HKV, S, D, generator=g)
+    return (torch.randn(NS, HKV, S, D, generator=g).to(request.param),
+            torch.randn(NS, HKV, S, D, generator=g).to(request.param))
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -85,6 +88,32 @@ def test_causal_prompt_rows_and_batched_decodes_equal_lone_decode_steps(pool):
     batch = cpu.attend(q[:3], k, v, slots, positions + 1, torch.zeros(3, dtype=L), torch.zeros(3, dtype=L))
     for b in range(3):
         assert torch.equal(batch[b], decode(q[b], k, v, int(slots[b]), int(positions[b]))), b
+
+
+def test_rope_attend_writes_rotated_keys_and_values_in_the_pools_type_then_attends(pool):
+    """What the decoder runs per layer: RoPE on q and k, each row's K/V into its cache row (rounded to the pool's
+    type, float16 for the served target), then ``attend`` over the pool as written."""
+    from core.ops import Rope, apply_rope
+    from types import SimpleNamespace
+
+    k, v = (t.clone() for t in pool)
+    T, c = 3, 40
+    qkv = torch.randn(T, (H + 2 * HKV) * D)
+    positions = torch.arange(c, c + T)
+    cos, sin = Rope(SimpleNamespace(head_dim=D, rope_theta=10000.0, rope_scaling=None), S).table(positions,
+                                                                                                 torch.float32)
+    slot = torch.ones(T, dtype=L)
+    out = cpu.load().rope_attend(qkv, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k, v, slot, positions,
+                                 positions + 1, torch.zeros(T, dtype=L), torch.zeros(T, dtype=L), H)
+    heads = qkv.view(T, H + 2 * HKV, D)
+    rotated = apply_rope(heads[:, :H + HKV], cos, sin)
+    # the rotation may round once where torch rounds twice (a fused multiply-add): within float32's last bits
+    torch.testing.assert_close(k[1, :, c:c + T], rotated[:, H:].transpose(0, 1).to(k.dtype), rtol=0, atol=1e-6)
+    assert torch.equal(v[1, :, c:c + T], heads[:, H + HKV:].transpose(0, 1).to(v.dtype))
+    assert k.dtype == pool[0].dtype and not k[1, :, c + T:].ne(pool[0][1, :, c + T:]).any()  # nothing else written
+    want = cpu.attend(rotated[:, :H].contiguous(), k, v, slot, positions + 1, torch.zeros(T, dtype=L),
+                      torch.zeros(T, dtype=L))
+    torch.testing.assert_close(out.view(T, H, D), want, rtol=0, atol=1e-6)
 
 
 def test_rows_reading_outside_the_pool_are_refused(pool):
