@@ -92,4 +92,24 @@ def load_drafter_model(target, load: Callable[[Path], object], check: Callable, 
     model = load(path)
     check(model.c, target.args, target.model_id, path)
     model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return model.attach(target.embed_weight, target.lm_head_weight)
+    return on_target_kernels(model.attach(target.embed_weight, target.lm_head_weight), target)
+
+
+def on_target_kernels(model, target):
+    """Where the target runs the CPU block-quantized kernel (a float32 target on ``kernels.cpu``'s qlinear path), the
+    drafter's matrices run it too: each 2-D parameter whose input width is a multiple of 32, and its LM-head rows,
+    become int8 per block of 32 (``BlockQuantWeight``), which ``core.ops.linear`` multiplies with the same kernel.
+    A drafter forward then reads a quarter of its float32 bytes, so its cost keeps pace with the target's step.
+    Drafts only propose (the target verifies every token), so this changes acceptance, never the output."""
+    if getattr(target, "kernels", "aten") != "qlinear" or target.dtype != torch.float32:
+        return model
+    from kernels.cpu import QK, BlockQuantWeight
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() == 2 and p.shape[1] % QK == 0:
+                del module._parameters[name]
+                setattr(module, name, BlockQuantWeight.quantize(p.detach(), 8))
+    if isinstance(model.head_weight, torch.Tensor):
+        model.head_weight = BlockQuantWeight.quantize(model.head_weight, 8)
+    return model

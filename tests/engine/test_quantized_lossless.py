@@ -68,6 +68,36 @@ def test_the_served_target_keeps_k_and_v_in_float16_and_sizes_its_slots_by_them(
     assert bytes_per_slot(30, 3, 512, 64, 576, torch.bfloat16) == (2 * 30 * 3 * 64 + 576) * 512 * 2
 
 
+@pytest.mark.parametrize("name", ["falcon", "glide"])
+def test_learned_drafters_run_the_targets_cpu_kernel_and_predict_as_their_dense_selves(int4_target, name):
+    """On the qlinear path a learned drafter's matrices and LM-head rows are int8 blocks run by the same kernel (its
+    forwards then cost a fraction of the dense float32 ones); its predictions stay those of the dense model: the
+    same top token on nearly every input, logits within the int8 rounding."""
+    import torch
+
+    from drafters.checkpoint import on_target_kernels
+    from kernels import cpu
+
+    if int4_target.kernels != "qlinear":
+        pytest.skip(f"no qlinear path here: {cpu.unavailable_reason()}")
+    drafter = create_drafter(name, int4_target, DRAFTERS[name])
+    model = drafter.model
+    quantized = [n for m in model.modules() for n, w in vars(m).items() if isinstance(w, cpu.BlockQuantWeight)]
+    assert isinstance(model.head_weight, cpu.BlockQuantWeight) and len(quantized) >= 5, quantized
+    assert not [n for n, p in model.named_parameters() if p.dim() == 2]  # no dense matrix left
+    dense = create_drafter(name, int4_target, DRAFTERS[name]).model  # a fresh copy to undo the swap on
+    for module in dense.modules():
+        for key, w in list(vars(module).items()):
+            if isinstance(w, cpu.BlockQuantWeight):
+                setattr(module, key, w.dequantize())  # the int8 blocks' own values, multiplied densely
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(64, int4_target.args.hidden_size, generator=g)
+    want, got = dense.logits(feats), model.logits(feats)
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
+    assert (want - got).abs().max() <= 0.05 * want.abs().max()
+    assert on_target_kernels(model, int4_target) is model  # nothing left to swap on a second call
+
+
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_greedy_and_seeded_speculation_equal_plain_on_the_quantized_target(int4_config, int4_target, prompt_ids,
                                                                            stops, plain, name):
