@@ -23,6 +23,7 @@ MAX_POSITIONS = 16  # accepted-per-position series for draft depths 1..16 (deepe
 class Metrics:
     def __init__(self, model: str, drafter: str):
         self.registry = r = CollectorRegistry()
+        self._children: dict[tuple, object] = {}  # (metric id, extra labels) -> its series, for of()
         self.labels = {"model": model, "drafter": drafter}
         ln = ["model", "drafter"]
         self.received = Counter("specserve_requests_received", "Requests received on the generation endpoints",
@@ -83,40 +84,48 @@ class Metrics:
                        self.prefix_evictions):
             series.labels(**self.labels)
 
+    def of(self, metric, **extra):
+        """``metric``'s series for this server's labels (plus ``extra``), looked up once: ``labels()`` costs several
+        microseconds and runs for every streamed token and worker message."""
+        key = (id(metric), *extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, **extra)
+        return child
+
     def on_worker_message(self, msg: m.FromWorker) -> None:
-        lb = self.labels
         if isinstance(msg, m.Status):
-            self.running.labels(**lb).set(msg.running)
-            self.waiting.labels(**lb).set(msg.waiting)
-            self.kv_usage.labels(**lb).set(msg.kv_usage)
-            self.kv_cached_usage.labels(**lb).set(msg.kv_cached_usage)
+            self.of(self.running).set(msg.running)
+            self.of(self.waiting).set(msg.waiting)
+            self.of(self.kv_usage).set(msg.kv_usage)
+            self.of(self.kv_cached_usage).set(msg.kv_cached_usage)
             for name, counter in (("prefix_queries", self.prefix_queries), ("prefix_hits", self.prefix_hits),
                                   ("prefix_evictions", self.prefix_evictions)):
                 now, before = getattr(msg, name), self._prefix_seen[name]
                 if now > before:
-                    counter.labels(**lb).inc(now - before)
+                    self.of(counter).inc(now - before)
                 self._prefix_seen[name] = now
         elif isinstance(msg, m.Step):
             if msg.sequences:
-                self.step_sequences.labels(**lb).observe(msg.sequences)
-            self.step_rows.labels(**lb).observe(msg.rows)
-            self.step_seconds.labels(**lb).observe(msg.seconds)
-            self.step_draft_rows.labels(**lb).inc(msg.draft_rows)
-            self.step_prefill_tokens.labels(**lb).inc(msg.prefill_tokens)
+                self.of(self.step_sequences).observe(msg.sequences)
+            self.of(self.step_rows).observe(msg.rows)
+            self.of(self.step_seconds).observe(msg.seconds)
+            self.of(self.step_draft_rows).inc(msg.draft_rows)
+            self.of(self.step_prefill_tokens).inc(msg.prefill_tokens)
         elif isinstance(msg, m.Tokens):
             for st in msg.steps:
-                self.verify_steps.labels(**lb).inc()
+                self.of(self.verify_steps).inc()
                 if st.draft_tokens:
-                    self.drafts.labels(**lb).inc()
-                    self.draft_tokens.labels(**lb).inc(st.draft_tokens)
-                    self.accepted_tokens.labels(**lb).inc(st.accepted_tokens)
+                    self.of(self.drafts).inc()
+                    self.of(self.draft_tokens).inc(st.draft_tokens)
+                    self.of(self.accepted_tokens).inc(st.accepted_tokens)
                 for p in range(1, st.accepted_tokens + 1):
-                    self.accepted_per_position.labels(**lb, position=str(min(p, MAX_POSITIONS))).inc()
-                self.accepted_length.labels(**lb).observe(st.accepted_tokens + 1)
-                self.draft_length.labels(**lb).observe(st.draft_tokens)
+                    self.of(self.accepted_per_position, position=str(min(p, MAX_POSITIONS))).inc()
+                self.of(self.accepted_length).observe(st.accepted_tokens + 1)
+                self.of(self.draft_length).observe(st.draft_tokens)
 
     def outcome(self, outcome: str) -> None:
-        self.requests.labels(**self.labels, outcome=outcome).inc()
+        self.of(self.requests, outcome=outcome).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -60,7 +60,7 @@ class OutcomeMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] not in self.PATHS or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        self.metrics.received.labels(**self.metrics.labels).inc()
+        self.metrics.of(self.metrics.received).inc()
         scope.setdefault("state", {})
         status = {"code": 500}
 

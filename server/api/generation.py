@@ -66,12 +66,12 @@ class RequestClock:
         """A choice's first token arrived at `now`: the request's TTFT if no choice had one yet."""
         if self.first_token_at is None:
             self.first_token_at = now
-            self.metrics.ttft.labels(**self.metrics.labels).observe(now - self.t0)
+            self.metrics.of(self.metrics.ttft).observe(now - self.t0)
 
     def end(self) -> None:
         if not self.ended:
             self.ended = True
-            self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.t0)
+            self.metrics.of(self.metrics.e2e).observe(time.perf_counter() - self.t0)
 
 
 @dataclass(frozen=True)
@@ -141,16 +141,16 @@ class Generation:
         """Token metrics for `n` tokens that arrived now; returns the arrival time. The request's first token is
         its TTFT; the tokens that arrived with it, and every later one, an inter-token latency each (a later
         choice's first token is neither)."""
-        mt, lb = self.metrics, self.metrics.labels
+        mt = self.metrics
         now = time.perf_counter()
         if last is None:
             self.clock.first_token(now)
             for _ in range(n - 1):  # tokens that arrived with the first one cost nothing extra
-                mt.itl.labels(**lb).observe(0.0)
+                mt.of(mt.itl).observe(0.0)
         else:
             for _ in range(n):
-                mt.itl.labels(**lb).observe((now - last) / n)
-        mt.generation_tokens.labels(**lb).inc(n)
+                mt.of(mt.itl).observe((now - last) / n)
+        mt.of(mt.generation_tokens).inc(n)
         return now
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -351,7 +351,7 @@ class Choices:
         except APIError:
             self.close()
             raise
-        self.metrics.prompt_tokens.labels(**self.metrics.labels).inc(len(self.prompt_ids))
+        self.metrics.of(self.metrics.prompt_tokens).inc(len(self.prompt_ids))
 
     def close(self) -> None:
         """The worker drops every choice it still holds (idempotent)."""

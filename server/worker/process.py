@@ -174,9 +174,12 @@ class WorkerClient:
     def _reader(self) -> None:
         try:
             while True:
-                msg = m.decode_from_worker(self._conn.recv_bytes())
+                # what has arrived goes to the loop in one wake-up (a step sends several messages)
+                batch = [m.decode_from_worker(self._conn.recv_bytes())]
+                while len(batch) < 64 and self._conn.poll(0):
+                    batch.append(m.decode_from_worker(self._conn.recv_bytes()))
                 try:
-                    self._loop.call_soon_threadsafe(self._dispatch, msg)
+                    self._loop.call_soon_threadsafe(self._dispatch_all, batch)
                 except RuntimeError:  # loop closed
                     return
         except (EOFError, OSError):
@@ -195,6 +198,10 @@ class WorkerClient:
                 self._conn.send_bytes(data)
             except (OSError, ValueError):  # the worker is gone: the reader sees the pipe close and reports it
                 return
+
+    def _dispatch_all(self, msgs: list[m.FromWorker]) -> None:
+        for msg in msgs:
+            self._dispatch(msg)
 
     def _dispatch(self, msg: m.FromWorker) -> None:
         for fn in self._listeners:
