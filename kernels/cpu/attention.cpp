@@ -14,6 +14,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -72,10 +73,25 @@ inline float softmax_numerators(float* p, int64_t n, float mx) {
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+// Sixteen vectors to one: lane j holds the sum of v[j]'s 16 lanes. Every lane goes through the same addition tree
+// (pairs within 128-bit lanes, then quads, then across the 128-bit lanes), so a key's score has the same bits at any
+// place in a block; 45 instructions for 16 sums against about 8 per horizontal sum.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
 // The key rows of one task: cache rows 0 .. cached - 1 in place, then the listed extra rows (tree order).
 struct Keys {
   int64_t cached, n_extra;
   const int64_t* extra;
+  inline int64_t row(int64_t j) const { return j < cached ? j : extra[j - cached]; }
   template <typename F>
   inline void each(F f) const {
     for (int64_t j = 0; j < cached; ++j) f(j, j);
@@ -94,19 +110,44 @@ void heads64(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, in
     for (int i = 0; i < 4; ++i) qr[h][i] = _mm512_loadu_ps(q + h * 64 + 16 * i);
     mx[h] = -INFINITY;
   }
-  keys.each([&](int64_t j, int64_t row) {
-    const E* kr = kh + row * ks2;
-    const __m512 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
-    for (int h = 0; h < NH; ++h) {
-      __m512 a = _mm512_mul_ps(qr[h][0], k0);
-      __m512 b = _mm512_mul_ps(qr[h][1], k1);
-      a = _mm512_fmadd_ps(qr[h][2], k2, a);
-      b = _mm512_fmadd_ps(qr[h][3], k3, b);
-      const float s = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-      p[h * np + j] = s;
-      mx[h] = std::fmax(mx[h], s);
+  // scores 16 keys at a time: the 16 partial vectors of a block summed across lanes together (sum16); float16 keys
+  // are widened once per block for all the heads
+  alignas(64) float wide[16 * 64];
+  __m512 mxv[NH];
+  for (int h = 0; h < NH; ++h) mxv[h] = _mm512_set1_ps(-INFINITY);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nb = static_cast<int>(std::min<int64_t>(16, n - j0));
+    const float* kr[16];
+    for (int i = 0; i < nb; ++i) {
+      const E* src = kh + keys.row(j0 + i) * ks2;
+      if constexpr (std::is_same_v<E, float>) {
+        kr[i] = src;
+      } else {
+        for (int c = 0; c < 4; ++c) _mm512_store_ps(wide + 64 * i + 16 * c, load16(src + 16 * c));
+        kr[i] = wide + 64 * i;
+      }
     }
-  });
+    const __mmask16 live = static_cast<__mmask16>(nb == 16 ? 0xFFFFu : (1u << nb) - 1u);
+    for (int h = 0; h < NH; ++h) {
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) {
+        if (i >= nb) {
+          v[i] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 a = _mm512_mul_ps(qr[h][0], _mm512_loadu_ps(kr[i]));
+        __m512 b = _mm512_mul_ps(qr[h][1], _mm512_loadu_ps(kr[i] + 16));
+        a = _mm512_fmadd_ps(qr[h][2], _mm512_loadu_ps(kr[i] + 32), a);
+        b = _mm512_fmadd_ps(qr[h][3], _mm512_loadu_ps(kr[i] + 48), b);
+        v[i] = _mm512_add_ps(a, b);
+      }
+      const __m512 sc = _mm512_mul_ps(sum16(v), sv);
+      _mm512_storeu_ps(p + h * np + j0, sc);  // p has 16 spare floats past n
+      mxv[h] = _mm512_mask_max_ps(mxv[h], live, mxv[h], sc);
+    }
+  }
+  for (int h = 0; h < NH; ++h) mx[h] = _mm512_reduce_max_ps(mxv[h]);
   float inv[NH];
   for (int h = 0; h < NH; ++h) inv[h] = softmax_numerators(p + h * np, n, mx[h]);
   __m512 acc[NH][4];
