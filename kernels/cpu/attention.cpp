@@ -7,6 +7,7 @@
 // ancestors and itself, in tree order). A decode step at position p has cached = p + 1 and no bits; a draft row at
 // depth d after c cached tokens has cached = c and its d + 1 path bits: the same keys in the same order.
 // Per query head: scores q.k / sqrt(D) in float32, softmax with the row's maximum, output sum_j p_j v_j / sum_j p_j.
+// The pool holds float32 or float16 K/V (each row widened exactly on load); the arithmetic is float32 either way.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -105,11 +106,8 @@ template <typename E, int NH>
 void heads64(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, int64_t vs2, const Keys& keys,
              int64_t n, float scale, float* p, int64_t np) {
   __m512 qr[NH][4];
-  float mx[NH];
-  for (int h = 0; h < NH; ++h) {
+  for (int h = 0; h < NH; ++h)
     for (int i = 0; i < 4; ++i) qr[h][i] = _mm512_loadu_ps(q + h * 64 + 16 * i);
-    mx[h] = -INFINITY;
-  }
   // scores 16 keys at a time: the 16 partial vectors of a block summed across lanes together (sum16); float16 keys
   // are widened once per block for all the heads
   alignas(64) float wide[16 * 64];
@@ -147,9 +145,8 @@ void heads64(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, in
       mxv[h] = _mm512_mask_max_ps(mxv[h], live, mxv[h], sc);
     }
   }
-  for (int h = 0; h < NH; ++h) mx[h] = _mm512_reduce_max_ps(mxv[h]);
   float inv[NH];
-  for (int h = 0; h < NH; ++h) inv[h] = softmax_numerators(p + h * np, n, mx[h]);
+  for (int h = 0; h < NH; ++h) inv[h] = softmax_numerators(p + h * np, n, _mm512_reduce_max_ps(mxv[h]));
   __m512 acc[NH][4];
   for (int h = 0; h < NH; ++h)
     for (int i = 0; i < 4; ++i) acc[h][i] = _mm512_setzero_ps();
@@ -307,7 +304,7 @@ void write_rows(const float* x, const float* c, const float* s, float* qp, const
 
 }  // namespace
 
-// q [T, H, D] float32; k, v [slots, H_kv, S, D] float32 (rows of D contiguous); slot, cached, base, bits [T] int64
+// q [T, H, D] float32; k, v [slots, H_kv, S, D] both float32 or both float16 (rows of D contiguous); slot, cached, base, bits [T] int64
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
                      const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "attend: q [T, H, D] float32");
