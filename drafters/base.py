@@ -53,6 +53,8 @@ class SequenceView(Protocol):
     def cache_len(self) -> int: ...        # tokens whose target KV is cached (= len(tokens) - 1)
     def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...  # post-RoPE K, V [H_kv, cache_len, D]
     def target_hidden(self) -> torch.Tensor: ...  # last-layer hidden states of cached tokens [cache_len, hidden]
+    def target_taps(self) -> torch.Tensor: ...  # [cache_len, n, hidden]: the residual stream after each layer count
+    # the drafter's ``target_taps`` names (its attribute, default none), for the cached tokens
     @property
     def sampling(self) -> SamplingParams: ...  # the request's sampling parameters
     @property
@@ -62,7 +64,9 @@ class SequenceView(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Per-deployment drafter; keeps per-sequence state keyed by ``seq.seq_id``."""
+    """Per-deployment drafter; keeps per-sequence state keyed by ``seq.seq_id``. A drafter that reads lower target
+    layers names them in a ``target_taps`` attribute (layer counts; absent: none), and the engine keeps them beside
+    the hidden states for ``SequenceView.target_taps``."""
 
     name: str
 

@@ -131,14 +131,19 @@ def falcon_examples(model, data, opts: AcceptTrainOptions, lm_head: torch.Tensor
         sp = SamplingParams(temperature=rng.choice(opts.temperatures))
         pos = torch.arange(1, T, device=dev)              # rows: positions 1 .. T-1, inputs (t_p, f_{p-1})
         ids, fin = tok[1:], feats[:-1]
+        taps = two_taps = None
+        if model.c.taps:  # the target's lower layers at p - 1; none behind the predicted inputs (zeros)
+            taps = data.taps[i][:-1, [data.tap_layers.index(n) for n in model.c.taps]].to(dev, model.fuse.dtype)
         t_logits_all = feats[start:T - 1].float() @ lm_head.t()  # the target's distribution of positions start+1..
         t_greedy_all, p_all = t_logits_all.argmax(-1), target_probs(t_logits_all, sp)
         for offset in range(k):
             blocks = block_ids(pos, k, offset)
-            f1 = model(ids, fin, pos, blocks[None, :] <= blocks[:, None])
+            f1 = model(ids, fin, pos, blocks[None, :] <= blocks[:, None], taps=taps)
             pred = (pos > k).nonzero()[:, 0]              # second-block rows: their inputs were predicted k rows back
+            if taps is not None:
+                two_taps = torch.cat([taps, torch.zeros_like(taps[pred])])
             two = model(torch.cat([ids, ids[pred]]), torch.cat([fin, f1[pred - k]]), torch.cat([pos, pos[pred]]),
-                        falcon_two_stream(blocks, blocks[pred]))
+                        falcon_two_stream(blocks, blocks[pred]), taps=two_taps)
             block_end = (blocks + 1) * k - 1 - offset      # the last position of each row's block (its root)
             in_block = pos - (block_end - k + 1)           # 0..k-1
             for stream, rows, depth in ((two[:len(pos)], torch.arange(len(pos), device=dev), in_block + 1),
@@ -296,10 +301,9 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
 
         model = load_falcon(target, checkpoint)
         feat_file = wd / f"features-{len(items)}+0-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}.pt"
-        if feat_file.exists():
-            teacher = FeatureData(**torch.load(feat_file, weights_only=True))
-        else:
-            teacher = teacher_features(target, items, opts.max_len, progress=progress)
+        teacher = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
+        if teacher is None or not set(model.c.taps) <= set(teacher.tap_layers):  # none, or without the head's taps
+            teacher = teacher_features(target, items, opts.max_len, progress=progress, taps=tuple(model.c.taps))
             torch.save(teacher.__dict__, feat_file)
         hidden, build = model.c.hidden_size, falcon_examples
     t1 = time.perf_counter()

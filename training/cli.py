@@ -37,9 +37,13 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist)
+    try:
+        taps = [int(n) for n in a.taps.split(",") if n.strip()] if a.taps is not None else None
+    except ValueError:
+        raise ConfigError(f"--taps: comma-separated layer counts, got {a.taps!r}") from None
     run_train_falcon(config_from_args(a), out=a.out, data_path=a.data, opts=opts, k=a.k, vocab_subset=a.vocab_subset,
                      max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch, limit=a.limit,
-                     text_tokens=a.text_tokens, init=a.init, log=log_stderr)
+                     text_tokens=a.text_tokens, init=a.init, taps=taps, log=log_stderr)
     return 0
 
 
@@ -279,6 +283,10 @@ def add_commands(sub) -> None:
     tf.add_argument("--init", default=None, metavar="CHECKPOINT",
                     help="continue training that checkpoint (its k and kept vocabulary) on this run's data, with a "
                     "fresh optimizer; step 0 of the log is its agreement on this run's validation split")
+    tf.add_argument("--taps", default=None, metavar="N,N",
+                    help="also read the target's residual stream after these layer counts (EAGLE-3's low and middle "
+                    "layers), e.g. 3,15; with --init, a checkpoint without taps gains them (starting as itself); "
+                    "default: none for a new head, the checkpoint's with --init")
     tf.add_argument("--seed", type=int, default=0)
     tf.set_defaults(func=cmd_train_falcon)
     ta.add_argument("--drafter", choices=["glide", "falcon"], default="glide",

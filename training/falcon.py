@@ -62,16 +62,20 @@ class FeatureData:
     answer_start: list[int]      # prompt_len - 1: the first position whose next token is an answer token
     feats: list[torch.Tensor]    # per sequence [T, hidden] post-norm target features (bfloat16)
     index: list[int] = field(default_factory=list)  # per sequence: its position in the items the pass read
+    taps: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, n_taps, hidden] lower layers (bfloat16)
+    tap_layers: list[int] = field(default_factory=list)     # the layer counts ``taps`` holds
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
-def teacher_features(target, items: list[dict], max_len: int, progress: bool = True) -> FeatureData:
-    """The teacher pass (``training.teacher``) for Falcon: every position's final-normed target features, for the
-    sequences with at least 3 answer positions."""
-    t = teacher_pass(target, items, [], max_len, progress=progress, all_positions=True, min_answer=3)
-    return FeatureData(t.tokens, t.answer_start, t.hidden, t.index)
+def teacher_features(target, items: list[dict], max_len: int, progress: bool = True,
+                     taps: tuple[int, ...] = ()) -> FeatureData:
+    """The teacher pass (``training.teacher``) for Falcon: every position's final-normed target features (and the
+    residual stream after each layer count in ``taps``), for the sequences with at least 3 answer positions."""
+    t = teacher_pass(target, items, [], max_len, progress=progress, all_positions=True, min_answer=3,
+                     taps=tuple(taps))
+    return FeatureData(t.tokens, t.answer_start, t.hidden, t.index, t.taps, list(taps))
 
 
 def two_stream_mask(true_blocks: torch.Tensor, pred_blocks: torch.Tensor) -> torch.Tensor:
@@ -118,6 +122,9 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
     T, start = len(tok), data.answer_start[i]
     pos = torch.arange(1, T, device=dev)                 # rows: positions 1 .. T-1
     ids, fin = tok[1:], feats[:-1]                        # (t_p, f_{p-1})
+    taps = None
+    if c.taps:  # the lower layers at p - 1, in the head's order
+        taps = data.taps[i][:-1, [data.tap_layers.index(n) for n in c.taps]].to(dev, torch.float32)
     if train and opts.noise:
         fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
     blocks = block_ids(pos, k, offset)
@@ -134,7 +141,7 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
     stats = {}
     if len(pred_rows):
         with torch.no_grad():  # pass 1: the true stream
-            f1 = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]))
+            f1 = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]), taps=taps)
             src = pred_rows - k                               # the rows that guessed these rows' inputs
             guess = tables["vocab_ids"][model.logits(f1[src]).argmax(-1)]
         true_in = ids[pred_rows]
@@ -147,13 +154,16 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         all_ids = torch.cat([ids, p_ids])
         all_feats = torch.cat([fin, p_feats])
         all_pos = torch.cat([pos, pos[pred_rows]])
+        all_taps = None
+        if taps is not None:  # a predicted input has no target layers behind it: zeros, as at inference
+            all_taps = torch.cat([taps, torch.where(glanced[:, None, None], taps[pred_rows], 0.0)])
         mask = two_stream_mask(blocks, blocks[pred_rows])
-        out = model(all_ids, all_feats, all_pos, mask)
+        out = model(all_ids, all_feats, all_pos, mask, taps=all_taps)
         sel = torch.cat([rows, len(pos) + torch.arange(len(pred_rows), device=dev)])
         label_tok = torch.cat([label_tok, tok[lab_pos[pred_rows]]])
         label_feat = torch.cat([label_feat, feats[lab_pos[pred_rows] - 1]])
     else:
-        out = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]))
+        out = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]), taps=taps)
         sel = rows
     f_hat = out[sel].float()
     logits = model.logits(f_hat).float()
@@ -287,23 +297,45 @@ def hash_split(data: FeatureData, items: list[dict], opts: FalconTrainOptions):
     return (train_idx, val_idx), groups
 
 
-def build_model(target, vocab_ids: torch.Tensor, k: int = 2) -> FalconModel:
+def build_model(target, vocab_ids: torch.Tensor, k: int = 2, taps: list[int] | None = None) -> FalconModel:
     """A fresh head for ``target`` (random matrices, norms from the target's), float32."""
-    model = FalconModel(FalconConfig.for_target(target.args, target.model_id, k=k, vocab_subset=len(vocab_ids)))
+    model = FalconModel(FalconConfig.for_target(target.args, target.model_id, k=k, vocab_subset=len(vocab_ids),
+                                                taps=list(taps or [])))
     model.vocab_ids = vocab_ids.clone()
     model.init_from_target(target.model)
     model = model.to(target.device)
     return model.attach(target.embed_weight.float(), target.lm_head_weight.float())
 
 
+def with_taps(model: FalconModel, taps: list[int], target) -> FalconModel:
+    """``model`` reading the lower target layers ``taps`` instead of its own: the shared weights copied, the tap
+    weights of layers it already read kept, new ones zero (so the head starts computing what it computed)."""
+    c = FalconConfig(**{**model.c.__dict__, "taps": list(taps)})
+    out = FalconModel(c).to(model.fuse.device)
+    out.vocab_ids = model.vocab_ids.clone()
+    state = {name: p for name, p in model.state_dict().items() if not name.startswith("tap_")}
+    out.load_state_dict(state, strict=False)
+    W = c.hidden_size
+    with torch.no_grad():
+        for j, n in enumerate(taps):
+            if n in model.c.taps:
+                i = model.c.taps.index(n)
+                out.tap_norm[j * W:(j + 1) * W] = model.tap_norm[i * W:(i + 1) * W]
+                out.tap_fuse[:, j * W:(j + 1) * W] = model.tap_fuse[:, i * W:(i + 1) * W]
+    return out.attach(target.embed_weight.float(), target.lm_head_weight.float())
+
+
 def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None,
                      opts: FalconTrainOptions | None = None, k: int = 2, vocab_subset: int = 8192,
                      max_new_tokens: int = 256, gen_batch: int = 64, limit: int | None = None, text_tokens: int = 0,
-                     init: Path | None = None, progress: bool = True, log=print) -> Path:
+                     init: Path | None = None, taps: list[int] | None = None, progress: bool = True,
+                     log=print) -> Path:
     """Data -> teacher features -> CSGD training -> fp16 checkpoint + card. Returns the checkpoint path.
 
     ``init``: start from that checkpoint (its shape, block size k and kept vocabulary) instead of a fresh head, with a
-    fresh optimizer (warm-up, then the schedule); its agreement on this run's validation split is the step-0 entry."""
+    fresh optimizer (warm-up, then the schedule); its agreement on this run's validation split is the step-0 entry.
+    ``taps``: the lower target layers the head reads (``FalconConfig.taps``); None keeps the checkpoint's (none for a
+    new head); a checkpoint without taps gains them with ``with_taps``."""
     from drafters.falcon.model import check_fits, default_checkpoint
 
     opts = opts or FalconTrainOptions()
@@ -315,20 +347,27 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     if init:
         model, started = start_from(FalconModel.load, check_fits, init, target, log)
         vocab_ids, k = model.vocab_ids.clone(), model.c.k
+        if taps is not None and list(taps) != list(model.c.taps):
+            model = with_taps(model, taps, target)
     else:
-        model = build_model(target, vocab_ids, k)
+        model = build_model(target, vocab_ids, k, taps or [])
+    taps = list(model.c.taps)
     seqs = items + text_items  # the features are keyed by content: another data set of the same size is not them
     digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
     tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
     feat_file = wd / f"features-{tag}.pt"
     data = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
-    if data is None or len(data.index) != len(data):  # none yet, or written before sequences kept their item index
+    # none yet, written before sequences kept their item index, or without the lower layers this head reads
+    if data is None or len(data.index) != len(data) or not set(taps) <= set(data.tap_layers):
         t0 = time.perf_counter()
-        data = teacher_features(target, items + text_items, opts.max_len, progress=progress)
+        data = teacher_features(target, items + text_items, opts.max_len, progress=progress, taps=tuple(taps))
         torch.save(data.__dict__, feat_file)
         log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
+    if not taps:
+        data.taps = []  # a file with lower layers serves a head without them (or with fewer)
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
-              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{started['digest'][:12]}" if started else ""))
+              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{started['digest'][:12]}" if started else "")
+              + (f"-taps{'.'.join(map(str, taps))}" if taps else ""))
     split, groups = hash_split(data, items + text_items, opts)
     log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")
     summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log,

@@ -24,6 +24,7 @@ class TeacherData:
     hidden: list[torch.Tensor]      # per sequence final-normed target states: [T - 1 - answer_start, hidden] at the
                                     # answer positions, or [T, hidden] with ``all_positions``
     index: list[int] = field(default_factory=list)  # per sequence: its position in the items the pass read
+    taps: list[torch.Tensor] = field(default_factory=list)  # per sequence [T, n_taps, hidden] (``taps`` given)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -31,9 +32,11 @@ class TeacherData:
 
 @torch.inference_mode()
 def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int, store_dtype=torch.bfloat16,
-                 progress: bool = True, all_positions: bool = False, min_answer: int = 1) -> TeacherData:
+                 progress: bool = True, all_positions: bool = False, min_answer: int = 1,
+                 taps: tuple[int, ...] = ()) -> TeacherData:
     """One target forward per sequence (prompt + answer, cut to ``max_len``); a sequence with fewer than
-    ``min_answer`` answer positions left is skipped (``index`` says which were kept)."""
+    ``min_answer`` answer positions left is skipped (``index`` says which were kept). ``taps``: also keep the residual
+    stream after those layer counts, at every position."""
     out = TeacherData([], [], [], [], [])
     for n, it in enumerate(tqdm(items, desc="teacher pass", unit="seq", disable=not progress)):
         ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
@@ -41,7 +44,7 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
         T = len(ids)
         if T - 1 - start < min_answer:
             continue
-        tp = target.forward(ids)
+        tp = target.forward(ids, taps)
         normed = target.final_norm(tp.hidden if all_positions else tp.hidden[start:T - 1])
         out.tokens.append(torch.tensor(ids, dtype=torch.long))
         out.answer_start.append(start)
@@ -49,6 +52,8 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
                       .to("cpu", store_dtype).clone() if read_layers else torch.empty(0))
         out.hidden.append(normed.to("cpu", store_dtype).clone())
         out.index.append(n)
+        if taps:
+            out.taps.append(tp.taps.to("cpu", store_dtype).clone())
     return out
 
 

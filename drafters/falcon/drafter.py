@@ -89,6 +89,7 @@ class FalconDrafter:
         self.target, self.top_m = target, [int(m) for m in top_m]
         self.forwards, self.width, self.max_rows = forwards, width, max_rows
         self.vocab_ids = self.model.vocab_ids.to(target.device)
+        self.target_taps = tuple(self.c.taps)  # the lower target layers the head reads (the engine keeps them)
         self._states: dict[int, _State] = {}
         self.num_forwards = 0  # for the cost coefficient in `specserve bench offline`
         self.forward_seconds = 0.0
@@ -109,11 +110,12 @@ class FalconDrafter:
         return st
 
     def _forward(self, st: _State, ids: list[int], feats: torch.Tensor, positions: list[int], cache_len: int,
-                 visible: torch.Tensor | None = None, kv_only: bool = False) -> torch.Tensor | None:
+                 visible: torch.Tensor | None = None, kv_only: bool = False,
+                 taps: torch.Tensor | None = None) -> torch.Tensor | None:
         t0 = time.perf_counter()
         dev = self.target.device
         out = self.model(torch.tensor(ids, device=dev), feats, torch.tensor(positions, device=dev), visible,
-                         (st.k, st.v), cache_len, kv_only)
+                         (st.k, st.v), cache_len, kv_only, taps)
         self.num_forwards += 1
         self.forward_seconds += time.perf_counter() - t0
         return out
@@ -133,9 +135,12 @@ class FalconDrafter:
         b0 = n - kb + 1  # the first block: the last k verified positions
         start = min(st.cached + 1, b0)
         feats = self.target.final_norm(seq.target_hidden()[start - 1:n]).to(self.target.dtype)  # f_{p-1}, p >= start
+        taps = seq.target_taps()[start - 1:n] if self.target_taps else None  # the lower layers at p - 1 (verified)
         if start < b0:  # verified positions the head has not seen: their K/V only
-            self._forward(st, tokens[start:b0], feats[:b0 - start], list(range(start, b0)), start - 1, kv_only=True)
-        out = self._forward(st, tokens[b0:n + 1], feats[b0 - start:], list(range(b0, n + 1)), b0 - 1)
+            self._forward(st, tokens[start:b0], feats[:b0 - start], list(range(start, b0)), start - 1, kv_only=True,
+                          taps=None if taps is None else taps[:b0 - start])
+        out = self._forward(st, tokens[b0:n + 1], feats[b0 - start:], list(range(b0, n + 1)), b0 - 1,
+                            taps=None if taps is None else taps[b0 - start:])
         st.cached = n
         tree = _Tree([tokens[-1]], [-1], [], n, self._new_stop(), max_rows=min(self.max_rows, seq.max_rows))
         leaves: list[_Leaf] = []

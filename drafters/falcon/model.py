@@ -56,6 +56,7 @@ class FalconConfig:
     max_position_embeddings: int
     k: int = 2                 # tokens per block (per drafter forward)
     vocab_subset: int = 0      # LM head rows kept (0: the whole vocabulary)
+    taps: list[int] = field(default_factory=list)  # lower target layers read beside the top feature (below)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -74,6 +75,8 @@ class FalconConfig:
             raise ValueError("falcon: heads x head_dim must equal the width, heads a multiple of kv heads")
         if not 1 <= self.k <= 8:
             raise ValueError("falcon: k (tokens per block) must be in [1, 8]")
+        if any(not isinstance(n, int) or n < 1 for n in self.taps) or len(set(self.taps)) != len(self.taps):
+            raise ValueError("falcon: taps must be distinct layer counts >= 1")
 
     def rope_args(self) -> SimpleNamespace:
         return SimpleNamespace(head_dim=self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
@@ -114,6 +117,10 @@ class FalconModel(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
+        n_taps = len(c.taps)
+        if n_taps:  # zero-initialised: a head that gains taps starts as the head it was
+            self.tap_norm = nn.Parameter(torch.ones(n_taps * W))  # flat: one RMSNorm weight per tapped layer
+            self.tap_fuse = nn.Parameter(torch.zeros(W, n_taps * W))
 
     def attach(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> "FalconModel":
         """Share the target's embedding [V, hidden] and LM head [V, hidden] (frozen; rows of ``vocab_ids`` kept)."""
@@ -136,18 +143,23 @@ class FalconModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                 visible: torch.Tensor | None, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-                cache_len: int = 0, kv_only: bool = False) -> torch.Tensor | None:
+                cache_len: int = 0, kv_only: bool = False, taps: torch.Tensor | None = None) -> torch.Tensor | None:
         """T rows -> predicted post-norm features [T, hidden] (``logits`` applies the LM head).
 
         ids [T]: token t_p of each row; feats [T, hidden]: the post-norm feature f_{p-1} before it; positions [T]: p.
         visible: [T, cache_len + T] bool, which keys each row sees (None: all of them).
         cache: the drafter's (k, v) [H_kv, S, D]; the rows' K/V are written at [cache_len, cache_len + T) (inference).
         kv_only: stop once the rows' K/V are in the cache (verified rows whose outputs nobody reads).
+        taps: [T, len(c.taps), hidden] the target's residual stream after each tapped layer count at p - 1, added to
+        the feature through ``tap_fuse`` (all zero for a row whose feature the drafter predicted: no target layer ran
+        there); None reads no taps.
         """
         if self.embed_weight is None:
             raise RuntimeError("FalconModel.attach(target embedding, LM head) must be called first")
         c = self.c
         T, H, Hkv, D = ids.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        if taps is not None and c.taps:
+            feats = feats + self.read_taps(taps)
         x = linear(torch.cat([F.embedding(ids, self.embed_weight).to(feats.dtype), feats], dim=-1), self.fuse)
         cos, sin = self.rope.table(positions, x.dtype)
         qkv = linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.wqkv).view(T, H + 2 * Hkv, D)
@@ -167,6 +179,12 @@ class FalconModel(nn.Module):
         gate, up = linear(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, self.w_down)
         return rms_norm(x, self.out_norm, c.rms_norm_eps)
+
+    def read_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """[T, n_taps, hidden] residual streams -> [T, hidden]: each RMS-normed with its own weight, then mixed."""
+        W = self.c.hidden_size
+        normed = rms_norm(taps, self.tap_norm.view(-1, W).to(taps.dtype), self.c.rms_norm_eps)
+        return linear(normed.reshape(len(taps), -1), self.tap_fuse)
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """[T, hidden] post-norm features (predicted or the target's) -> logits [T, len(vocab_ids)]."""

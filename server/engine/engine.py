@@ -48,12 +48,18 @@ class Engine:
         # the quantized CPU target in float32: every row through the row-invariant C++ attention, K/V kept in float16
         self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
         kv_dtype = torch.float16 if self.exact_cpu else self.dtype
+        self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
+        # lower layers the drafter reads: their residual stream is kept beside the last layer's, per cached token
+        self.taps = tuple(getattr(self.drafter, "target_taps", ()))
+        if any(not 0 < n < a.num_layers for n in self.taps):
+            raise ValueError(f"drafter {cfg.drafter.name!r} reads target layers {self.taps}; the target has "
+                             f"{a.num_layers}")
+        width = a.hidden_size * (1 + len(self.taps))
         slots = cfg.cache.num_slots or auto_num_slots(bytes_per_slot(
-            a.num_layers, a.num_kv_heads, cfg.cache.max_seq_len, a.head_dim, a.hidden_size, self.dtype, kv_dtype),
+            a.num_layers, a.num_kv_heads, cfg.cache.max_seq_len, a.head_dim, width, self.dtype, kv_dtype),
             self.device)
         self.pool = KVCachePool(a.num_layers, slots, a.num_kv_heads, cfg.cache.max_seq_len,
-                                a.head_dim, a.hidden_size, self.dtype, self.device, kv_dtype)
-        self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
+                                a.head_dim, width, self.dtype, self.device, kv_dtype)
         self.max_seq_len = cfg.cache.max_seq_len
         self._ids = itertools.count()
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
@@ -198,17 +204,29 @@ class Engine:
         return self.forward_rows([(seq, tokens, positions, tree_mask)])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of ``forward``'s output (the last layer's states, then any taps) -> logits [T, V]."""
+        if self.taps:
+            hidden = hidden[:, :self.model.args.hidden_size].contiguous()
         return self.model.logits(hidden)
 
     @torch.inference_mode()
     def forward_rows(self, parts: list[tuple[Sequence, list[int], torch.Tensor, "torch.Tensor | None"]]):
         """One target forward over the new rows of several sequences, back to back: [(seq, tokens, positions,
-        tree_mask)] -> hidden [sum of rows, hidden]. Each part's K/V go into its own slot after its cached prefix."""
+        tree_mask)] -> hidden [sum of rows, hidden], followed by the residual stream after each of ``taps``' layer
+        counts where the drafter reads them ([rows, hidden x (1 + taps)]: ``logits`` takes the first part). Each part's
+        K/V go into its own slot after its cached prefix."""
+        if self.taps:
+            tapped = dict.fromkeys(self.taps)
+            hidden = self._forward_rows(parts, tapped)
+            return torch.cat([hidden] + [tapped[n] for n in self.taps], dim=-1)
+        return self._forward_rows(parts, None)
+
+    def _forward_rows(self, parts, taps: dict | None) -> torch.Tensor:
         tokens = parts[0][1] if len(parts) == 1 else [t for p in parts for t in p[1]]
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.exact_cpu:  # every row of the step: one C++ call per layer for RoPE, K/V writes and attention
-            return self.model(ids, positions, [], None, self._cpu_rows(parts))
+            return self.model(ids, positions, [], None, self._cpu_rows(parts), taps)
         if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
             segments, group = [], self._kernel_group(parts)
         else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
@@ -231,7 +249,7 @@ class Engine:
                                  torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
                                  self.pool.k, self.pool.v,
                                  make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
-        return self.model(ids, positions, segments, group)  # [T, hidden]
+        return self.model(ids, positions, segments, group, taps=taps)  # [T, hidden]
 
     def _cpu_rows(self, parts) -> CpuRows:
         """Where the quantized CPU target's rows go and what they read: causal rows (prompt chunks, decode steps)
@@ -281,7 +299,7 @@ class Engine:
         Rows are written to cache rows [cache_len, cache_len + T + 1) at positions cache_len + depth.
         """
         hidden = self.forward_rows([self._tree_rows(seq, tree)])
-        return self.model.logits(hidden), hidden
+        return self.logits(hidden), hidden
 
     def _tree_rows(self, seq: Sequence, tree: DraftTree):
         depths = torch.tensor(tree.depths(), dtype=torch.long, device=self.device)
@@ -358,7 +376,7 @@ class Engine:
         completing = [(seq, b - 1) for (seq, start, n), (_, b) in zip(chunks, chunk_spans)
                       if start + n == seq.prompt_len]
         logit_rows = list(range(tree_rows)) + [row for _, row in completing]
-        logits = self.model.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
+        logits = self.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
         accepted = [self._accept(seq, tree, logits[a:b]) for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
         self._compact_many([(seq, rows) for (seq, _, _, _), (rows, _, _) in zip(trees, accepted)])
@@ -415,7 +433,7 @@ class Engine:
         n = min(hidden.shape[0], seq.prompt_len - 1 - start)  # the last prompt row predicts a generated token
         for i in range(0, n, PROMPT_LOGPROB_ROWS):
             j = min(n, i + PROMPT_LOGPROB_ROWS)
-            lp = torch.log_softmax(self.model.logits(hidden[i:j]).float(), -1)
+            lp = torch.log_softmax(self.logits(hidden[i:j]).float(), -1)
             seq.prompt_logprobs += logprob_entries(lp, ids[start + i + 1:start + j + 1], seq.sampling.prompt_logprobs)
 
     def _propose(self, seq: Sequence) -> DraftTree:

@@ -117,7 +117,7 @@ class Block(nn.Module):
         return x + linear(F.silu(gate) * up, self.w_down.weight)
 
 
-_CPU_DECODERS: "weakref.WeakKeyDictionary[Llama, object]" = weakref.WeakKeyDictionary()
+_CPU_DECODERS: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()  # (start, end) -> decoder
 
 
 class Llama(nn.Module):
@@ -133,31 +133,43 @@ class Llama(nn.Module):
         self.rope = Rope(args, max_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
-                group: RowGroup | None = None, rows: CpuRows | None = None) -> torch.Tensor:
+                group: RowGroup | None = None, rows: CpuRows | None = None,
+                taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Run the new rows of one or more sequences; returns the last layer's hidden states (before the final
         norm), [T, hidden].
 
         tokens, positions: [T], the sequences' rows back to back (positions = each sequence's cache length + depth);
         ``segments`` and ``group`` (rows attended together) say whose rows are where.
+        taps: {n: None, ...} gets, for each n, the residual stream after the first n layers ([T, hidden]).
         """
         x = self.embed(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
         if rows is not None:
             cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
-            return self._cpu_decoder().forward(x, cos, sin, rows.k, rows.v, rows.slot, rows.pos, rows.cached,
-                                               rows.base, rows.bits)
+            start = 0  # the compiled layer loop, in one call per range between taps
+            for end in sorted({n for n in taps or () if 0 < n < len(self.layers)} | {len(self.layers)}):
+                x = self._cpu_decoder(start, end).forward(x, cos, sin, rows.k[start:end], rows.v[start:end],
+                                                          rows.slot, rows.pos, rows.cached, rows.base, rows.bits)
+                if taps is not None and end in taps:
+                    taps[end] = x
+                start = end
+            return x
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, cos, sin, i, segments, group)  # .forward: skip hook dispatch
+            if taps is not None and i + 1 in taps:
+                taps[i + 1] = x
         return x
 
-    def _cpu_decoder(self):
-        """The layer loop of the quantized CPU target in one C++ call (``kernels.cpu.decoder``), built on first use
-        (kept beside the model, not in it, so the model stays deep-copyable)."""
-        dec = _CPU_DECODERS.get(self)
+    def _cpu_decoder(self, start: int, end: int):
+        """Layers [start, end) of the quantized CPU target in one C++ call (``kernels.cpu.decoder``), built on first
+        use (kept beside the model, not in it, so the model stays deep-copyable)."""
+        decs = _CPU_DECODERS.setdefault(self, {})
+        dec = decs.get((start, end))
         if dec is None:
             dec = cpu_kernels.decoder([(b.wqkv.weight, b.wo.weight, b.w_gate_up.weight, b.w_down.weight, b.attn_norm,
-                                        b.mlp_norm) for b in self.layers], self.args.rms_norm_eps, self.args.num_heads)
-            _CPU_DECODERS[self] = dec
+                                        b.mlp_norm) for b in self.layers[start:end]], self.args.rms_norm_eps,
+                                      self.args.num_heads)
+            decs[(start, end)] = dec
         return dec
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,11 @@ class SeqView:
         return k.to(dtype), v.to(dtype)
 
     def target_hidden(self) -> torch.Tensor:
-        return self._pool.hidden[self._seq.slot, :self._seq.cache_len]
+        return self._pool.hidden[self._seq.slot, :self._seq.cache_len, :self.target.args.hidden_size]
+
+    def target_taps(self) -> torch.Tensor:
+        n, W = self._seq.cache_len, self.target.args.hidden_size
+        return self._pool.hidden[self._seq.slot, :n, W:].view(n, -1, W)
 
 
 @dataclass

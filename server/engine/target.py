@@ -36,6 +36,7 @@ class TargetPass(NamedTuple):
     hidden: torch.Tensor  # [T, hidden] the last layer's output, before the final norm
     k: torch.Tensor       # [layers, kv_heads, T, head_dim] post-RoPE keys
     v: torch.Tensor       # [layers, kv_heads, T, head_dim]
+    taps: torch.Tensor | None = None  # [T, len(taps), hidden] the residual stream after each tapped layer count
 
 
 class Target:
@@ -61,16 +62,19 @@ class Target:
         return int(self.model.rope.cos.shape[0])
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor | list[int]) -> TargetPass:
+    def forward(self, tokens: torch.Tensor | list[int], taps: tuple[int, ...] = ()) -> TargetPass:
         """One causal forward over ``tokens`` from position 0, outside the KV slots of serving (training's teacher
-        passes read it): the hidden states and every layer's K/V."""
+        passes read it): the hidden states, every layer's K/V and, for each n in ``taps``, the residual stream after
+        the first n layers."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         T, a = len(ids), self.args
         k = torch.zeros(a.num_layers, a.num_kv_heads, T, a.head_dim, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         attn = make_attention(self.device, 0, T, None, self.dtype)
-        hidden = self.model(ids, torch.arange(T, device=self.device), [Segment(0, T, k, v, 0, None, attn)])
-        return TargetPass(hidden, k, v)
+        tapped = dict.fromkeys(taps)
+        hidden = self.model(ids, torch.arange(T, device=self.device), [Segment(0, T, k, v, 0, None, attn)],
+                            taps=tapped)
+        return TargetPass(hidden, k, v, torch.stack([tapped[n] for n in taps], 1) if taps else None)
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -113,11 +113,13 @@ def tiny(tiny_dir):
     return load_target(_tiny_config(tiny_dir), progress=False)
 
 
-def _random_checkpoint(target, path, k: int = 2, vocab_subset: int = 12, scale: float | None = 0.3, seed: int = 0):
+def _random_checkpoint(target, path, k: int = 2, vocab_subset: int = 12, scale: float | None = 0.3, seed: int = 0,
+                       taps: tuple[int, ...] = ()):
     """A random Falcon head for ``target`` over a random ``vocab_subset`` of its vocabulary, saved in float32;
-    ``scale``: the matrices' std (None: the model's own init, with noise added)."""
+    ``scale``: the matrices' std (None: the model's own init, with noise added); ``taps``: lower layers it reads."""
     gen = torch.Generator().manual_seed(seed)
-    m = FalconModel(FalconConfig.for_target(target.args, target.model_id, k=k, vocab_subset=vocab_subset))
+    m = FalconModel(FalconConfig.for_target(target.args, target.model_id, k=k, vocab_subset=vocab_subset,
+                                            taps=list(taps)))
     m.vocab_ids = torch.randperm(target.args.vocab_size, generator=gen)[:vocab_subset]
     m.init_from_target(target.model)
     with torch.no_grad():
@@ -131,9 +133,11 @@ def _random_checkpoint(target, path, k: int = 2, vocab_subset: int = 12, scale: 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt(tiny, tmp_path_factory):
-    """{k: checkpoint path} of random heads for the tiny target."""
+    """{k: checkpoint path} of random heads for the tiny target; "taps": k = 2, reading the stream after layer 1."""
     d = tmp_path_factory.mktemp("falcon-tiny")
-    return {k: str(_random_checkpoint(tiny, d / f"falcon-k{k}.safetensors", k=k)) for k in (2, 3)}
+    out = {k: str(_random_checkpoint(tiny, d / f"falcon-k{k}.safetensors", k=k)) for k in (2, 3)}
+    out["taps"] = str(_random_checkpoint(tiny, d / "falcon-taps.safetensors", k=2, taps=(1,), seed=1))
+    return out
 
 
 def _start(engine: Engine, prompt, sampling: SamplingParams | None = None, max_new_tokens: int = 24):
@@ -155,10 +159,15 @@ def reference_block(model: FalconModel, view, chain) -> torch.Tensor:
     n = len(toks) - 1
     feats = view.target.final_norm(view.target_hidden())  # f_0 .. f_{n-1}: the inputs of positions 1 .. n
     ids = list(toks[1:]) + [t for block, _ in chain for t in block]
+    drafted = sum(len(block) for block, _ in chain)
     feats = torch.cat([feats, *[f for _, f in chain]])
+    taps = None
+    if model.c.taps:  # the target's lower layers where it ran, zeros where the drafter guessed
+        t = view.target_taps()
+        taps = torch.cat([t, t.new_zeros(drafted, *t.shape[1:])])
     pos = torch.arange(1, len(ids) + 1)
     blocks = block_ids(pos, k, (-(n - k + 1)) % k)
-    return model(torch.tensor(ids), feats, pos, relaxed_mask(blocks))[-k:]
+    return model(torch.tensor(ids), feats, pos, relaxed_mask(blocks), taps=taps)[-k:]
 
 
 def reference_tree(model: FalconModel, view, top_m, forwards: int, width: int, max_rows: int):
@@ -235,6 +244,37 @@ def test_expanded_tree_matches_the_cache_free_reference(tiny_dir, tiny, tiny_ckp
         assert (tree.tokens, tree.parents) == reference_tree(ref, view, top_m, forwards, width, max_rows)
         assert tree.num_rows <= max_rows
         engine.release(seq)
+
+
+def test_a_head_with_taps_reads_the_targets_lower_layers(tiny_dir, tiny, tiny_ckpt):
+    """A head that reads a lower target layer (EAGLE-3's multi-layer features): the engine keeps the layer's residual
+    stream beside the hidden states (the target's own forward computes the same), the drafter's expanded tree is the
+    cache-free reference's with those rows, the tap weights change it, and greedy decoding stays lossless."""
+    drafter = FalconDrafter(tiny, tiny_ckpt["taps"], **OPTS)
+    assert drafter.target_taps == (1,)
+    engine = Engine(_tiny_config(tiny_dir), drafter, tiny)
+    W = tiny.args.hidden_size
+    assert engine.pool.hidden.shape[-1] == 2 * W
+    ref = _reference_model(tiny, tiny_ckpt["taps"])
+    blind = _reference_model(tiny, tiny_ckpt["taps"])
+    with torch.no_grad():
+        blind.tap_fuse.zero_()
+    differs = 0
+    for prompt in TINY_PROMPTS:
+        seq = _start(engine, prompt)
+        view = engine.view(seq)
+        own = tiny.forward(view.tokens[:-1], (1,))
+        assert torch.allclose(view.target_taps(), own.taps, atol=1e-5)
+        assert torch.allclose(view.target_hidden(), own.hidden, atol=1e-5)
+        tree = drafter.propose(view)
+        want = reference_tree(ref, view, OPTS["top_m"], OPTS["forwards"], OPTS["width"], OPTS["max_rows"])
+        assert (tree.tokens, tree.parents) == want
+        differs += want != reference_tree(blind, view, OPTS["top_m"], OPTS["forwards"], OPTS["width"],
+                                          OPTS["max_rows"])
+        engine.release(seq)
+    assert differs
+    plain = Engine(_tiny_config(tiny_dir), create_drafter("none", tiny), tiny)
+    assert_lossless(engine, TINY_PROMPTS, plain, 40)
 
 
 def test_expansion_hangs_under_the_most_probable_leaf(tiny_dir, tiny, tiny_ckpt):

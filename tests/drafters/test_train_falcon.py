@@ -7,8 +7,8 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from training.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split,
-                                   sequence_loss, teacher_features, train, two_stream_mask)
+from training.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split, loss_tables,
+                             sequence_loss, teacher_features, train, two_stream_mask, with_taps)
 from training.glide import TrainOptions, split_rows
 
 
@@ -67,6 +67,36 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
     assert torch.equal(again.vocab_ids, model.vocab_ids) and again.c == model.c
 
 
+def test_a_head_gains_lower_layers_starting_as_itself_and_learns_to_read_them(target32):
+    """EAGLE-3's multi-layer features: the teacher pass keeps the residual stream after the tapped layers (the
+    target's own), a head that gains taps computes what it computed (zero tap weights) on both streams, whatever order
+    the file holds them in, and training moves the tap weights."""
+    tok = [[1, 2, 3] + list(range(100 + i, 140 + i)) for i in range(6)]
+    items = [{"prompt_ids": t[:3], "response_ids": t[3:]} for t in tok]
+    data = teacher_features(target32, items, max_len=64, progress=False, taps=(15, 3))
+    assert data.tap_layers == [15, 3] and data.taps[0].shape == (43, 2, target32.args.hidden_size)
+    own = target32.forward(tok[0], (15, 3)).taps
+    assert torch.equal(data.taps[0], own.to(torch.bfloat16))
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    tapped = with_taps(model, [3, 15], target32)
+    assert tapped.c.taps == [3, 15] and not tapped.tap_fuse.any()
+    tables = loss_tables(model)
+    opts = FalconTrainOptions(noise=0.0, autocast=False)
+    with torch.no_grad():
+        for i in range(2):
+            want = sequence_loss(model, data, i, opts, tables, lam=0.5, rng=random.Random(i))
+            got = sequence_loss(tapped, data, i, opts, tables, lam=0.5, rng=random.Random(i))
+            assert torch.allclose(got[0], want[0], rtol=1e-5) and got[2] == want[2]
+    opts = FalconTrainOptions(steps=3, batch_tokens=128, warmup=1, save_every=3, val_fraction=0.2, autocast=False)
+    train(tapped, data, opts, None, progress=False, log=lambda *a: None)
+    assert tapped.tap_fuse.abs().sum() > 0
+    again = with_taps(tapped, [15, 3], target32)  # the taps it read keep their weights, in the new order
+    W = target32.args.hidden_size
+    assert torch.equal(again.tap_fuse[:, :W], tapped.tap_fuse[:, W:])
+    assert torch.equal(again.tap_norm[W:], tapped.tap_norm[:W])
+
+
 def test_falcon_holds_out_the_prompts_glide_holds_out_and_reports_them_by_source(target32):
     """The validation split is GLIDE's (by prompt hash), read through the teacher pass's item index, which skips
     sequences too short to train on; its groups are the prompt sources."""
@@ -110,3 +140,9 @@ def test_training_continues_from_a_checkpoint(fp32_config, random_answers, tmp_p
     card = __import__("json").loads(more.with_suffix(".json").read_text())
     assert card["training"]["init"] == {"file": "a.safetensors", "digest": checkpoint_digest(first)}
     assert card["history"][0]["step"] == 0
+    tapped = run_train_falcon(fp32_config, tmp_path / "d.safetensors", opts=FalconTrainOptions(steps=0, **opts),
+                              init=first, taps=[2], **quiet)  # --taps: the checkpoint gains a lower layer
+    d = load_file(tapped)
+    assert all(torch.equal(d[n], a[n]) for n in a) and not d["tap_fuse"].any()
+    card = __import__("json").loads(tapped.with_suffix(".json").read_text())
+    assert card["architecture"]["taps"] == [2] and card["history"][0]["agreement"] == card["validation"]["agreement"]

@@ -107,3 +107,38 @@ def test_greedy_and_seeded_speculation_equal_plain_on_the_quantized_target(int4_
     if name != "none":
         assert tokens_per_step(outs) > 1.0, name  # drafts were accepted, so verified rows stood for decode steps
     assert_lossless(spec, prompt_ids, plain[SAMPLED], MAX_NEW, stops, SAMPLED, label=f"{name} sampled")
+
+
+
+def test_a_drafter_reading_lower_layers_gets_them_from_the_served_forward(int4_config, int4_target, prompt_ids,
+                                                                          stops, plain, tmp_path):
+    """A Falcon head that reads the residual stream after layers 3 and 15 (EAGLE-3's low and middle features) on the
+    served target: the forward that keeps them (on the qlinear path, the compiled layer loop split at the taps)
+    computes the same last-layer rows bit for bit, the kept rows are the layer-by-layer forward's within its
+    rounding, and speculation with the head equals plain decoding."""
+    import torch
+
+    from drafters.falcon.drafter import FalconDrafter
+    from drafters.falcon.model import FalconModel, default_checkpoint
+    from training.falcon import with_taps
+
+    head = with_taps(FalconModel.load(default_checkpoint(int4_target.model_id)), [3, 15], int4_target)
+    with torch.no_grad():  # the shipped head with random tap weights: the taps change its drafts
+        head.tap_fuse.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    head.save(tmp_path / "falcon-taps.safetensors", {"note": "test"}, dtype=torch.float32)
+    spec = Engine(int4_config, FalconDrafter(int4_target, str(tmp_path / "falcon-taps.safetensors")), int4_target)
+    base = Engine(int4_config, target=int4_target)
+    W = int4_target.args.hidden_size
+    ids = prompt_ids[0]
+    a, b = spec.add(ids, max_new_tokens=1), base.add(ids, max_new_tokens=1)
+    wide, top = spec.forward(a, ids), base.forward(b, ids)
+    assert wide.shape == (len(ids), 3 * W) and torch.equal(wide[:, :W], top)
+    def err(taps):  # relative distance per row (float16 K/V here, float32 in the layer-by-layer forward)
+        own = int4_target.forward(ids, taps).taps.reshape(len(ids), -1)
+        return float(((wide[:, W:] - own).norm(dim=-1) / own.norm(dim=-1)).max())
+
+    assert err((3, 15)) < 0.05 < 0.2 < err((4, 16))  # those layers' rows, not their neighbours'
+    spec.release(a)
+    base.release(b)
+    outs = assert_lossless(spec, prompt_ids, plain[None], MAX_NEW, stops, label="falcon with taps")
+    assert tokens_per_step(outs) > 1.0
