@@ -133,7 +133,7 @@ def falcon_examples(model, data, opts: AcceptTrainOptions, lm_head: torch.Tensor
         ids, fin = tok[1:], feats[:-1]
         taps = two_taps = None
         if model.c.taps:  # the target's lower layers at p - 1; none behind the predicted inputs (zeros)
-            taps = data.taps[i][:-1, [data.tap_layers.index(n) for n in model.c.taps]].to(dev, model.fuse.dtype)
+            taps = data.tap_rows(i, model.c.taps)[:-1].to(dev, model.fuse.dtype)
         t_logits_all = feats[start:T - 1].float() @ lm_head.t()  # the target's distribution of positions start+1..
         t_greedy_all, p_all = t_logits_all.argmax(-1), target_probs(t_logits_all, sp)
         for offset in range(k):
@@ -297,14 +297,11 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     else:
         from drafters.falcon.drafter import load_falcon
         from drafters.falcon.model import default_checkpoint as drafter_default
-        from training.falcon import FeatureData, teacher_features
+        from training.falcon import cached_features
 
         model = load_falcon(target, checkpoint)
         feat_file = wd / f"features-{len(items)}+0-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}.pt"
-        teacher = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
-        if teacher is None or not set(model.c.taps) <= set(teacher.tap_layers):  # none, or without the head's taps
-            teacher = teacher_features(target, items, opts.max_len, progress=progress, taps=tuple(model.c.taps))
-            torch.save(teacher.__dict__, feat_file)
+        teacher = cached_features(target, items, opts.max_len, feat_file, model.c.taps, progress, log)
         hidden, build = model.c.hidden_size, falcon_examples
     t1 = time.perf_counter()
     ex = build(model, teacher, opts, target.lm_head_weight.float(), progress=progress)

@@ -68,6 +68,24 @@ class FeatureData:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def tap_rows(self, i: int, layers: list[int]) -> torch.Tensor:
+        """Sequence i's lower-layer rows [T, len(layers), hidden] for ``layers``, in that order (any the file holds)."""
+        return self.taps[i][:, [self.tap_layers.index(n) for n in layers]]
+
+
+def cached_features(target, items: list[dict], max_len: int, path: Path, taps: list[int], progress: bool = True,
+                    log=print) -> FeatureData:
+    """``teacher_features`` kept in ``path`` (the caller names it by content): read when it is there, keeps every
+    sequence's item index and holds the lower layers ``taps``, else computed and written."""
+    data = FeatureData(**torch.load(path, weights_only=True)) if path.exists() else None
+    # none yet, written before sequences kept their item index, or without the lower layers the head reads
+    if data is None or len(data.index) != len(data) or not set(taps) <= set(data.tap_layers):
+        t0 = time.perf_counter()
+        data = teacher_features(target, items, max_len, progress=progress, taps=tuple(taps))
+        torch.save(data.__dict__, path)
+        log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
+    return data
+
 
 def teacher_features(target, items: list[dict], max_len: int, progress: bool = True,
                      taps: tuple[int, ...] = ()) -> FeatureData:
@@ -124,7 +142,7 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
     ids, fin = tok[1:], feats[:-1]                        # (t_p, f_{p-1})
     taps = None
     if c.taps:  # the lower layers at p - 1, in the head's order
-        taps = data.taps[i][:-1, [data.tap_layers.index(n) for n in c.taps]].to(dev, torch.float32)
+        taps = data.tap_rows(i, c.taps)[:-1].to(dev, torch.float32)
     if train and opts.noise:
         fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
     blocks = block_ids(pos, k, offset)
@@ -355,14 +373,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     seqs = items + text_items  # the features are keyed by content: another data set of the same size is not them
     digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
     tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
-    feat_file = wd / f"features-{tag}.pt"
-    data = FeatureData(**torch.load(feat_file, weights_only=True)) if feat_file.exists() else None
-    # none yet, written before sequences kept their item index, or without the lower layers this head reads
-    if data is None or len(data.index) != len(data) or not set(taps) <= set(data.tap_layers):
-        t0 = time.perf_counter()
-        data = teacher_features(target, items + text_items, opts.max_len, progress=progress, taps=tuple(taps))
-        torch.save(data.__dict__, feat_file)
-        log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
+    data = cached_features(target, seqs, opts.max_len, wd / f"features-{tag}.pt", taps, progress, log)
     if not taps:
         data.taps = []  # a file with lower layers serves a head without them (or with fewer)
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"

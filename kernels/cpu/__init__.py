@@ -193,9 +193,9 @@ class BlockQuantWeight:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, cached: torch.Tensor,
            base: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], one layer of the KV pool k, v [slots, H_kv, S, D] (float32 or float16) -> [T, H, D]. Row t attends to the
-    cache rows 0 .. cached[t] - 1 of slot slot[t], then to rows base[t] + j for each bit j of bits[t] (int64 [T]
-    each)."""
+    """q [T, H, D], one layer of the KV pool k, v [slots, H_kv, S, D] (float32 or float16) -> [T, H, D]. Row t
+    attends to the cache rows 0 .. cached[t] - 1 of slot slot[t], then to rows base[t] + j for each bit j of bits[t]
+    (int64 [T] each)."""
     return load().attend(q, k, v, slot, cached, base, bits)
 
 

@@ -4,8 +4,9 @@ Layout ``[L, num_slots, H_kv, S, D]``: a (layer, slot) view is a contiguous ``[H
 attention reads, and one kernel launch can compact a slot's accepted rows across every layer. Beside K/V the pool
 keeps the target's last-layer hidden state of every cached token (``[num_slots, S, hidden]``) for feature-level
 drafters, followed by the residual streams of the lower layers a drafter taps (``hidden_size`` is then that many times
-wider: ``Engine`` sizes it). K and V may be stored narrower than the model computes (the quantized CPU target keeps float16 K/V and
-computes in float32: half the bytes a decode step reads per cached token, as llama.cpp's default f16 cache).
+wider: ``Engine`` sizes it). K and V may be stored narrower than the model computes (the quantized CPU target keeps
+float16 K/V and computes in float32: half the bytes a decode step reads per cached token, as llama.cpp's default f16
+cache).
 """
 from __future__ import annotations
 
