@@ -297,10 +297,10 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     else:
         from drafters.falcon.drafter import load_falcon
         from drafters.falcon.model import default_checkpoint as drafter_default
-        from training.falcon import cached_features
+        from training.falcon import cached_features, features_tag
 
         model = load_falcon(target, checkpoint)
-        feat_file = wd / f"features-{len(items)}+0-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}.pt"
+        feat_file = wd / f"features-{features_tag(items, 0, opts.max_len, target.dtype)}.pt"
         teacher = cached_features(target, items, opts.max_len, feat_file, model.c.taps, progress, log)
         hidden, build = model.c.hidden_size, falcon_examples
     t1 = time.perf_counter()

@@ -73,6 +73,13 @@ class FeatureData:
         return self.taps[i][:, [self.tap_layers.index(n) for n in layers]]
 
 
+def features_tag(seqs: list[dict], n_text: int, max_len: int, dtype: torch.dtype) -> str:
+    """The name of a teacher pass over ``seqs`` (the last ``n_text`` of them shipped text), keyed by content: another
+    data set of the same size is not it. ``train falcon`` and ``train accept-head --drafter falcon`` share the file."""
+    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
+    return f"{len(seqs) - n_text}+{n_text}-{max_len}-{str(dtype)[6:]}-{digest.hexdigest()}"
+
+
 def cached_features(target, items: list[dict], max_len: int, path: Path, taps: list[int], progress: bool = True,
                     log=print) -> FeatureData:
     """``teacher_features`` kept in ``path`` (the caller names it by content): read when it is there, keeps every
@@ -370,9 +377,8 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     else:
         model = build_model(target, vocab_ids, k, taps or [])
     taps = list(model.c.taps)
-    seqs = items + text_items  # the features are keyed by content: another data set of the same size is not them
-    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
-    tag = f"{len(items)}+{len(text_items)}-{opts.max_len}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
+    seqs = items + text_items
+    tag = features_tag(seqs, len(text_items), opts.max_len, target.dtype)
     data = cached_features(target, seqs, opts.max_len, wd / f"features-{tag}.pt", taps, progress, log)
     if not taps:
         data.taps = []  # a file with lower layers serves a head without them (or with fewer)
