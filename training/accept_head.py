@@ -18,7 +18,6 @@ no token mixing is needed (the paper mixes drafted tokens into the inputs to app
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from tqdm import tqdm
 from core.sampling import SamplingParams, target_probs
 from drafters.adaptive import AcceptHead, AcceptHeadConfig, checkpoint_digest, default_checkpoint
 from drafters.checkpoint import CHECKPOINT_DIR
-from training.common import work_dir
+from training.common import answers_digest, work_dir
 from training.data import ensure_data
 from training.teacher import TeacherData, teacher_pass
 
@@ -278,7 +277,6 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
     wd = Path(work) if work else work_dir(cfg, target.model_id)
     wd.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in items]).encode(), digest_size=6)
     t0 = time.perf_counter()
     if drafter == "glide":
         from drafters.glide.drafter import load_glide
@@ -286,7 +284,8 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
 
         model = load_glide(target, checkpoint)
         read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
-        tag = f"{len(items)}+0-{opts.max_len}-{'_'.join(map(str, read))}-{str(target.dtype)[6:]}-{digest.hexdigest()}"
+        layers = "_".join(map(str, read))
+        tag = f"{len(items)}+0-{opts.max_len}-{layers}-{str(target.dtype)[6:]}-{answers_digest(items)}"
         teacher_file = wd / f"teacher-{tag}.pt"
         if teacher_file.exists():
             teacher = TeacherData(**torch.load(teacher_file, weights_only=True))

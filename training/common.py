@@ -26,6 +26,13 @@ def stable_unit(*parts: Any) -> float:
     return stable_int(*parts) / 2**62
 
 
+def answers_digest(items: list[dict]) -> str:
+    """12 hex digits naming a list of answers by content (prompt and answer ids), for the teacher-pass files: another
+    data set of the same size is not it."""
+    ids = repr([(i["prompt_ids"], i["response_ids"]) for i in items])
+    return hashlib.blake2b(ids.encode(), digest_size=6).hexdigest()
+
+
 # -- where a target's training work lives --------------------------------------------------------------------------
 def work_dir(cfg, model_id: str) -> Path:
     """``<cache>/train/<target id>``: answers, teacher passes, resumable train states."""

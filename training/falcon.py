@@ -31,7 +31,6 @@ true stream alone), the paper's ablation.
 """
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -42,8 +41,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids
-from training.common import (TrainerOptions, held_out, lr_at, make_optimizer, prepare_run, resume, save_state,
-                             seeded_split, source_group, start_from)
+from training.common import (TrainerOptions, answers_digest, held_out, lr_at, make_optimizer, prepare_run, resume,
+                             save_state, seeded_split, source_group, start_from)
 from training.teacher import teacher_pass
 
 
@@ -76,8 +75,7 @@ class FeatureData:
 def features_tag(seqs: list[dict], n_text: int, max_len: int, dtype: torch.dtype) -> str:
     """The name of a teacher pass over ``seqs`` (the last ``n_text`` of them shipped text), keyed by content: another
     data set of the same size is not it. ``train falcon`` and ``train accept-head --drafter falcon`` share the file."""
-    digest = hashlib.blake2b(repr([(i["prompt_ids"], i["response_ids"]) for i in seqs]).encode(), digest_size=6)
-    return f"{len(seqs) - n_text}+{n_text}-{max_len}-{str(dtype)[6:]}-{digest.hexdigest()}"
+    return f"{len(seqs) - n_text}+{n_text}-{max_len}-{str(dtype)[6:]}-{answers_digest(seqs)}"
 
 
 def cached_features(target, items: list[dict], max_len: int, path: Path, taps: list[int], progress: bool = True,
