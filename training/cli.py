@@ -36,7 +36,8 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
     from training.falcon import FalconTrainOptions, run_train_falcon
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
-                              csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist)
+                              csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
+                              w_reg=a.w_reg)
     try:
         taps = [int(n) for n in a.taps.split(",") if n.strip()] if a.taps is not None else None
     except ValueError:
@@ -275,6 +276,8 @@ def add_commands(sub) -> None:
     tf.add_argument("--glance", type=float, default=0.4, help="glancing ratio lambda at the first step (decays to 0)")
     tf.add_argument("--w-dist", type=float, default=1.0, help="weight of the distillation loss (KL + CE) against "
                     "the feature regression (the paper: 0.1)")
+    tf.add_argument("--w-reg", type=float, default=1.0,
+                    help="weight of the feature regression (SmoothL1); 0 drops it, as EAGLE-3 does")
     tf.add_argument("--max-len", type=int, default=768, help="training sequences are cut to this many tokens")
     tf.add_argument("--vocab-subset", type=int, default=8192,
                     help="LM head rows kept, most frequent answer tokens first (0 = whole vocabulary)")

@@ -23,8 +23,10 @@ by a random offset per sequence); the row at position j of its block predicts f_
      blocks: the first drafted block at inference) and the *predicted stream* (a row of block B sees the true rows of
      blocks before B and the predicted/glanced rows of block B: the second drafted block at inference, whose context
      is verified text and whose own inputs are the drafter's guesses). Loss on both streams' loss rows:
-        L = SmoothL1(f_hat, f) + 0.1 * (0.9 * KL(p || p_draft) + 0.1 * CE(t, p_draft))
-     over the kept vocabulary, p = the target's next-token distribution softmax(LM(f)).
+        L = w_reg * SmoothL1(f_hat, f) + w_dist * (0.9 * KL(p || p_draft) + 0.1 * CE(t, p_draft))
+     over the kept vocabulary, p = the target's next-token distribution softmax(LM(f)); the paper's w_dist is 0.1,
+     ours 1.0; w_reg = 0 drops the regression, as EAGLE-3 does (the head's output feature is then free: only the
+     tokens it yields are trained).
 No row sees its label: a block's labels are the next block's tokens, which neither stream shows it; so glanced rows
 stay in the loss (their inputs are true inputs, not their labels). ``csgd=False`` is plain teacher forcing (the
 true stream alone), the paper's ablation.
@@ -51,7 +53,8 @@ class FalconTrainOptions(TrainerOptions):
     csgd: bool = True              # False: plain teacher forcing (the ablation)
     glance: float = 0.4            # lambda at step 0, decaying linearly to 0
     noise: float = 0.1             # U(-noise, noise) on input features
-    w_dist: float = 1.0            # L = SmoothL1 + w_dist * (alpha * KL + (1 - alpha) * CE); the paper: 0.1
+    w_dist: float = 1.0            # L = w_reg * SmoothL1 + w_dist * (alpha * KL + (1 - alpha) * CE); paper: 0.1
+    w_reg: float = 1.0             # 0 drops the feature regression (EAGLE-3's choice): tokens alone train the head
     alpha: float = 0.9
 
 
@@ -197,7 +200,7 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
     kl = (t_logp.exp() * (t_logp - logp)).sum()
     local = tables["local"][label_tok]
     ce = F.nll_loss(logp, local.clamp(min=0), reduction="none")[local >= 0].sum()
-    loss = reg + opts.w_dist * (opts.alpha * kl + (1 - opts.alpha) * ce)
+    loss = opts.w_reg * reg + opts.w_dist * (opts.alpha * kl + (1 - opts.alpha) * ce)
     with torch.no_grad():
         agree = logits.argmax(-1) == t_logp.argmax(-1)
         n_true = len(rows)
@@ -381,7 +384,8 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     if not taps:
         data.taps = []  # a file with lower layers serves a head without them (or with fewer)
     recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
-              f"{len(vocab_ids)}-w{opts.w_dist:g}-h" + (f"-init{started['digest'][:12]}" if started else "")
+              f"{len(vocab_ids)}-w{opts.w_dist:g}" + (f"-r{opts.w_reg:g}" if opts.w_reg != 1 else "") + "-h"
+              + (f"-init{started['digest'][:12]}" if started else "")
               + (f"-taps{'.'.join(map(str, taps))}" if taps else ""))
     split, groups = hash_split(data, items + text_items, opts)
     log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")

@@ -53,6 +53,24 @@ def test_glancing_swaps_lambda_times_the_hamming_distance(target32):
     assert st1["glanced"] == round(0.5 * st1["hamming"]) > 0 and float(loss1) != float(loss0)
 
 
+def test_the_regression_weight_scales_the_feature_loss_alone(target32):
+    """L = w_reg * SmoothL1 + w_dist * distillation: the two parts add up, and w_reg = 0 leaves the tokens' loss."""
+    data = _features(target32)
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    tables = loss_tables(model)
+
+    def loss(w_reg, w_dist):
+        opts = FalconTrainOptions(noise=0.0, autocast=False, w_reg=w_reg, w_dist=w_dist)
+        with torch.no_grad():
+            return float(sequence_loss(model, data, 0, opts, tables, train=False)[0])
+
+    reg, dist = loss(1.0, 0.0), loss(0.0, 1.0)
+    assert reg > 0 and dist > 0
+    assert abs(loss(1.0, 1.0) - (reg + dist)) < 1e-3 * (reg + dist)
+    assert abs(loss(0.5, 2.0) - (0.5 * reg + 2.0 * dist)) < 1e-3 * (reg + dist)
+
+
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
     data = _features(target32)
     assert isinstance(data, FeatureData) and len(data) == 6 and data.feats[0].shape == (43, target32.args.hidden_size)
