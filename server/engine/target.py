@@ -77,6 +77,27 @@ class Target:
         return TargetPass(hidden, k, v, torch.stack([tapped[n] for n in taps], 1) if taps else None)
 
     @torch.inference_mode()
+    def forward_many(self, seqs: list[list[int]], taps: tuple[int, ...] = ()) -> list[TargetPass]:
+        """``forward`` of several sequences in one pass: their rows back to back, one segment each (each weight's
+        matmul takes every row at once; attention reads each sequence's own K/V). One ``TargetPass`` per sequence,
+        the values ``forward`` gives up to the matmuls' rounding."""
+        a, dev = self.args, self.device
+        lens = [len(s) for s in seqs]
+        ids = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        segments, start = [], 0
+        for n in lens:
+            k = torch.zeros(a.num_layers, a.num_kv_heads, n, a.head_dim, dtype=self.dtype, device=dev)
+            segments.append(Segment(start, start + n, k, torch.zeros_like(k), 0, None,
+                                    make_attention(dev, 0, n, None, self.dtype)))
+            start += n
+        tapped = dict.fromkeys(taps)
+        hidden = self.model(ids, positions, segments, taps=tapped)
+        stacked = torch.stack([tapped[n] for n in taps], 1) if taps else None
+        return [TargetPass(hidden[s.start:s.end], s.k, s.v, stacked[s.start:s.end] if taps else None)
+                for s in segments]
+
+    @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(ids)
 

@@ -164,3 +164,31 @@ def test_training_continues_from_a_checkpoint(fp32_config, random_answers, tmp_p
     assert all(torch.equal(d[n], a[n]) for n in a) and not d["tap_fuse"].any()
     card = __import__("json").loads(tapped.with_suffix(".json").read_text())
     assert card["architecture"]["taps"] == [2] and card["history"][0]["agreement"] == card["validation"]["agreement"]
+
+
+def test_packed_teacher_passes_give_each_sequences_own_forward(target32):
+    """Sequences packed into one forward (each its own segment, positions from 0) give what one forward each gives:
+    hidden states, K/V and lower layers, and the packed teacher pass keeps the same sequences in the same order."""
+    from training.teacher import teacher_pass
+
+    g = torch.Generator().manual_seed(0)
+    lens = [(5, 9), (3, 1), (12, 4), (2, 17), (7, 6)]  # (prompt, answer) tokens; (3, 1) is too short to keep
+    items = [{"prompt_ids": torch.randint(10, 2000, (p,), generator=g).tolist(),
+              "response_ids": torch.randint(10, 2000, (r,), generator=g).tolist()} for p, r in lens]
+    seqs = [it["prompt_ids"] + it["response_ids"] for it in items]
+    packed = target32.forward_many(seqs, (3, 15))
+    for ids, tp in zip(seqs, packed):
+        one = target32.forward(ids, (3, 15))
+        for a, b in ((tp.hidden, one.hidden), (tp.k, one.k), (tp.v, one.v), (tp.taps, one.taps)):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    base = teacher_pass(target32, items, [2], 16, progress=False, all_positions=True, min_answer=3, taps=(3,),
+                        batch_tokens=0)
+    assert base.index == [0, 2, 3, 4]  # the second is too short; the fourth is cut to 16 tokens
+    for batch in (20, 10 ** 6):  # some groups and one forward for all
+        t = teacher_pass(target32, items, [2], 16, progress=False, all_positions=True, min_answer=3, taps=(3,),
+                         batch_tokens=batch)
+        assert t.index == base.index and t.answer_start == base.answer_start
+        assert all(torch.equal(a, b) for a, b in zip(t.tokens, base.tokens))
+        for field in ("hidden", "kv", "taps"):
+            for a, b in zip(getattr(t, field), getattr(base, field)):
+                assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), field
