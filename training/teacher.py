@@ -59,9 +59,7 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
             rows += len(todo[j][1])
             j += 1
         group = todo[i:j]
-        passes = [target.forward(group[0][1], taps)] if j == i + 1 else \
-            target.forward_many([ids for _, ids, _ in group], taps)
-        for (n, ids, start), tp in zip(group, passes):
+        for (n, ids, start), tp in zip(group, target.forward_many([x for _, x, _ in group], taps)):
             T = len(ids)
             normed = target.final_norm(tp.hidden if all_positions else tp.hidden[start:T - 1])
             out.tokens.append(torch.tensor(ids, dtype=torch.long))

@@ -66,33 +66,24 @@ class Target:
         """One causal forward over ``tokens`` from position 0, outside the KV slots of serving (training's teacher
         passes read it): the hidden states, every layer's K/V and, for each n in ``taps``, the residual stream after
         the first n layers."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        T, a = len(ids), self.args
-        k = torch.zeros(a.num_layers, a.num_kv_heads, T, a.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        attn = make_attention(self.device, 0, T, None, self.dtype)
-        tapped = dict.fromkeys(taps)
-        hidden = self.model(ids, torch.arange(T, device=self.device), [Segment(0, T, k, v, 0, None, attn)],
-                            taps=tapped)
-        return TargetPass(hidden, k, v, torch.stack([tapped[n] for n in taps], 1) if taps else None)
+        return self.forward_many([tokens], taps)[0]
 
     @torch.inference_mode()
-    def forward_many(self, seqs: list[list[int]], taps: tuple[int, ...] = ()) -> list[TargetPass]:
+    def forward_many(self, seqs: list[torch.Tensor | list[int]], taps: tuple[int, ...] = ()) -> list[TargetPass]:
         """``forward`` of several sequences in one pass: their rows back to back, one segment each (each weight's
         matmul takes every row at once; attention reads each sequence's own K/V). One ``TargetPass`` per sequence,
-        the values ``forward`` gives up to the matmuls' rounding."""
+        the values ``forward`` gives alone up to the matmuls' rounding."""
         a, dev = self.args, self.device
-        lens = [len(s) for s in seqs]
-        ids = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        ids = [torch.as_tensor(s, dtype=torch.long, device=dev) for s in seqs]
         segments, start = [], 0
-        for n in lens:
+        for n in map(len, ids):
             k = torch.zeros(a.num_layers, a.num_kv_heads, n, a.head_dim, dtype=self.dtype, device=dev)
             segments.append(Segment(start, start + n, k, torch.zeros_like(k), 0, None,
                                     make_attention(dev, 0, n, None, self.dtype)))
             start += n
+        positions = torch.cat([torch.arange(len(x), device=dev) for x in ids])
         tapped = dict.fromkeys(taps)
-        hidden = self.model(ids, positions, segments, taps=tapped)
+        hidden = self.model(torch.cat(ids), positions, segments, taps=tapped)
         stacked = torch.stack([tapped[n] for n in taps], 1) if taps else None
         return [TargetPass(hidden[s.start:s.end], s.k, s.v, stacked[s.start:s.end] if taps else None)
                 for s in segments]
