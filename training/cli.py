@@ -37,7 +37,9 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
-                              w_reg=a.w_reg)
+                              w_reg=a.w_reg, ttt=a.training_time_test)
+    if a.training_time_test and a.teacher_forcing:
+        raise ConfigError("--training-time-test trains the second block's stream: not with --teacher-forcing")
     try:
         taps = [int(n) for n in a.taps.split(",") if n.strip()] if a.taps is not None else None
     except ValueError:
@@ -273,6 +275,10 @@ def add_commands(sub) -> None:
     tf.add_argument("--k", type=int, default=2, help="tokens per block (per drafter forward)")
     tf.add_argument("--teacher-forcing", action="store_true", help="plain teacher forcing instead of CSGD (the "
                     "ablation)")
+    tf.add_argument("--training-time-test", action="store_true",
+                    help="the second block's stream reads the true tokens with the head's own predicted features "
+                    "(EAGLE-3's training-time test: what a second drafted block reads once the first is accepted) "
+                    "instead of CSGD's guessed tokens; no glancing")
     tf.add_argument("--glance", type=float, default=0.4, help="glancing ratio lambda at the first step (decays to 0)")
     tf.add_argument("--w-dist", type=float, default=1.0, help="weight of the distillation loss (KL + CE) against "
                     "the feature regression (the paper: 0.1)")

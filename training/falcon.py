@@ -30,6 +30,12 @@ by a random offset per sequence); the row at position j of its block predicts f_
 No row sees its label: a block's labels are the next block's tokens, which neither stream shows it; so glanced rows
 stay in the loss (their inputs are true inputs, not their labels). ``csgd=False`` is plain teacher forcing (the
 true stream alone), the paper's ablation.
+
+**Training-time test** (``ttt=True``, after EAGLE-3): the predicted stream reads the *true* tokens with the head's own
+predicted features (no target layers behind them) and nothing is glanced. A second drafted block is only worth
+anything when the first was accepted, and then its input tokens are the target's: guessed tokens that are wrong train
+rows that inference throws away. Evaluation reads guessed tokens either way and also reports the second block's
+agreement over the blocks whose guessed inputs were all right (what the served second block meets).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ class FalconTrainOptions(TrainerOptions):
     w_dist: float = 1.0            # L = w_reg * SmoothL1 + w_dist * (alpha * KL + (1 - alpha) * CE); paper: 0.1
     w_reg: float = 1.0             # 0 drops the feature regression (EAGLE-3's choice): tokens alone train the head
     alpha: float = 0.9
+    ttt: bool = False              # training-time test: the predicted stream reads true tokens, predicted features
 
 
 @dataclass
@@ -138,6 +145,14 @@ def glance_rows(blocks: torch.Tensor, n_glance: int, rng: random.Random) -> torc
     return out
 
 
+def all_right_in_block(blocks: torch.Tensor, wrong: torch.Tensor) -> torch.Tensor:
+    """[m] bool: the rows (``blocks``: their block ids) of blocks none of whose rows has ``wrong`` set, i.e. the
+    predicted-stream rows whose block of guessed inputs the chain would have accepted whole."""
+    bad = torch.zeros(int(blocks.max()) + 1 if len(blocks) else 0, dtype=torch.long, device=blocks.device)
+    bad.index_add_(0, blocks, wrong.long())
+    return bad[blocks] == 0
+
+
 def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTrainOptions, tables: dict,
                   offset: int = 0, lam: float = 0.0, rng: random.Random | None = None, train: bool = True):
     """Loss summed over sequence i's loss rows (both streams with CSGD) -> (loss, rows, stats)."""
@@ -173,9 +188,12 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         true_in = ids[pred_rows]
         wrong = guess != true_in
         stats["hamming"] = int(wrong.sum())
-        glanced = glance_rows(blocks[pred_rows].cpu(), round(lam * stats["hamming"]), rng or random.Random(0)).to(dev)
+        block_right = all_right_in_block(blocks[pred_rows], wrong)
+        ttt = opts.ttt and train
+        n_glance = 0 if ttt else round(lam * stats["hamming"])
+        glanced = glance_rows(blocks[pred_rows].cpu(), n_glance, rng or random.Random(0)).to(dev)
         stats["glanced"] = int(glanced.sum())
-        p_ids = torch.where(glanced, true_in, guess)
+        p_ids = true_in if ttt else torch.where(glanced, true_in, guess)
         p_feats = torch.where(glanced[:, None], fin[pred_rows], f1[src].float())
         all_ids = torch.cat([ids, p_ids])
         all_feats = torch.cat([fin, p_feats])
@@ -208,6 +226,8 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         stats["agree_true"] = [(int(agree[:n_true][in_block == j].sum()), int((in_block == j).sum()))
                                for j in range(k)]
         stats["agree_pred"] = (int(agree[n_true:].sum()), int(len(agree) - n_true))
+        if len(pred_rows):
+            stats["agree_pred_right"] = (int(agree[n_true:][block_right].sum()), int(block_right.sum()))
     return loss, len(sel), stats
 
 
@@ -215,12 +235,12 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
 def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: FalconTrainOptions, tables: dict,
              groups: dict[str, list[int]] | None = None) -> dict:
     """Held-out agreement with the target's top-1: per position of the first drafted block (teacher-forced inputs)
-    and for the second block (inputs the drafter guessed, no glancing); the first block's also by ``groups`` (name ->
-    sequences of ``idx``, e.g. by prompt source)."""
+    and for the second block (inputs the drafter guessed, no glancing; also over the blocks whose guessed tokens were
+    all right); the first block's also by ``groups`` (name -> sequences of ``idx``, e.g. by prompt source)."""
     model.eval()
     k = model.c.k
     tot = n = 0.0
-    hit_t, cnt_t, hit_p, cnt_p = [0] * k, [0] * k, 0, 0
+    hit_t, cnt_t, hit_p, cnt_p, hit_r, cnt_r = [0] * k, [0] * k, 0, 0, 0, 0
     per_seq = {}
     for i in idx:
         r = sequence_loss(model, data, i, opts, tables, train=False)
@@ -234,11 +254,14 @@ def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: Falcon
             cnt_t[j] += c
         hit_p += st["agree_pred"][0]
         cnt_p += st["agree_pred"][1]
+        hit_r += st.get("agree_pred_right", (0, 0))[0]
+        cnt_r += st.get("agree_pred_right", (0, 0))[1]
         per_seq[i] = (sum(h for h, _ in st["agree_true"]), sum(c for _, c in st["agree_true"]))
     model.train()
     by_pos = [round(h / max(1, c), 4) for h, c in zip(hit_t, cnt_t)]
     out = {"loss": tot / max(1, n), "agreement": round(sum(hit_t) / max(1, sum(cnt_t)), 4),
-           "agreement_by_position": by_pos, "agreement_second_block": round(hit_p / max(1, cnt_p), 4)}
+           "agreement_by_position": by_pos, "agreement_second_block": round(hit_p / max(1, cnt_p), 4),
+           "agreement_second_block_first_right": round(hit_r / max(1, cnt_r), 4)}
     if groups:
         out["agreement_by_group"] = {
             name: round(sum(per_seq[i][0] for i in rows if i in per_seq)
@@ -383,7 +406,8 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     data = cached_features(target, seqs, opts.max_len, wd / f"features-{tag}.pt", taps, progress, log)
     if not taps:
         data.taps = []  # a file with lower layers serves a head without them (or with fewer)
-    recipe = (f"{tag}-k{k}-{'csgd' if opts.csgd else 'tf'}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
+    objective = "tf" if not opts.csgd else "ttt" if opts.ttt else "csgd"
+    recipe = (f"{tag}-k{k}-{objective}-{opts.steps}-{opts.batch_tokens}-{opts.lr:g}-{opts.seed}-"
               f"{len(vocab_ids)}-w{opts.w_dist:g}" + (f"-r{opts.w_reg:g}" if opts.w_reg != 1 else "") + "-h"
               + (f"-init{started['digest'][:12]}" if started else "")
               + (f"-taps{'.'.join(map(str, taps))}" if taps else ""))

@@ -7,8 +7,9 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from training.falcon import (FalconTrainOptions, FeatureData, build_model, glance_rows, hash_split, loss_tables,
-                             sequence_loss, teacher_features, train, two_stream_mask, with_taps)
+from training.falcon import (FalconTrainOptions, FeatureData, all_right_in_block, build_model, glance_rows,
+                             hash_split, loss_tables, sequence_loss, teacher_features, train, two_stream_mask,
+                             with_taps)
 from training.glide import TrainOptions, split_rows
 
 
@@ -192,3 +193,35 @@ def test_packed_teacher_passes_give_each_sequences_own_forward(target32):
         for field in ("hidden", "kv", "taps"):
             for a, b in zip(getattr(t, field), getattr(base, field)):
                 assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), field
+
+
+def test_rows_count_as_right_only_when_their_whole_block_was_guessed_right():
+    blocks = torch.tensor([1, 1, 2, 2, 3, 4, 4])
+    wrong = torch.tensor([False, False, False, True, False, True, True])
+    assert all_right_in_block(blocks, wrong).tolist() == [True, True, False, False, True, False, False]
+    assert all_right_in_block(blocks[:0], wrong[:0]).tolist() == []
+
+
+def test_training_time_test_feeds_the_second_block_the_true_tokens(target32):
+    """With the training-time test the predicted stream reads the target's tokens: what the head guesses for them
+    does not change the loss (and nothing is glanced); with CSGD the guesses are its inputs."""
+    data = _features(target32)
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    tables = loss_tables(model)
+    wrong_guesses = dict(tables, vocab_ids=tables["vocab_ids"].roll(1))  # every guess a different token
+
+    def loss(opts, t):
+        with torch.no_grad():
+            out, rows, st = sequence_loss(model, data, 0, opts, t, lam=0.4)
+        return float(out), st
+
+    ttt = FalconTrainOptions(noise=0.0, autocast=False, ttt=True)
+    (a, st_a), (b, st_b) = loss(ttt, tables), loss(ttt, wrong_guesses)
+    assert a == b and st_a["glanced"] == st_b["glanced"] == 0 and st_b["hamming"] > 0
+    csgd = FalconTrainOptions(noise=0.0, autocast=False, glance=0.0)
+    assert loss(csgd, tables)[0] != loss(csgd, wrong_guesses)[0]
+    # evaluation reads the guesses with either objective; with every guess wrong no block counts as right
+    with torch.no_grad():
+        st = sequence_loss(model, data, 0, ttt, wrong_guesses, train=False)[2]
+    assert st["agree_pred_right"][1] == 0 and st["agree_pred"][1] > 0
