@@ -99,6 +99,11 @@ def test_train_accept_head_checks_its_temperatures(capsys):
     assert e.value.code == 2
 
 
+def test_train_falcon_refuses_two_objectives(capsys):
+    assert main(["train", "falcon", "--teacher-forcing", "--training-time-test"]) == 2
+    assert "--training-time-test" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--source-weight", "chat"], ["--source-weight", "chat=0"],
                                   ["--source-weight", "=2"], ["--train-tokens", "-1"]])
 def test_train_glide_checks_its_data_options(argv, capsys):
