@@ -188,7 +188,6 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         true_in = ids[pred_rows]
         wrong = guess != true_in
         stats["hamming"] = int(wrong.sum())
-        block_right = all_right_in_block(blocks[pred_rows], wrong)
         ttt = opts.ttt and train
         n_glance = 0 if ttt else round(lam * stats["hamming"])
         glanced = glance_rows(blocks[pred_rows].cpu(), n_glance, rng or random.Random(0)).to(dev)
@@ -226,8 +225,9 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         stats["agree_true"] = [(int(agree[:n_true][in_block == j].sum()), int((in_block == j).sum()))
                                for j in range(k)]
         stats["agree_pred"] = (int(agree[n_true:].sum()), int(len(agree) - n_true))
-        if len(pred_rows):
-            stats["agree_pred_right"] = (int(agree[n_true:][block_right].sum()), int(block_right.sum()))
+        if len(pred_rows) and not train:  # evaluation alone reads it
+            right = all_right_in_block(blocks[pred_rows], wrong)
+            stats["agree_pred_right"] = (int(agree[n_true:][right].sum()), int(right.sum()))
     return loss, len(sel), stats
 
 
@@ -254,8 +254,9 @@ def evaluate(model: FalconModel, data: FeatureData, idx: list[int], opts: Falcon
             cnt_t[j] += c
         hit_p += st["agree_pred"][0]
         cnt_p += st["agree_pred"][1]
-        hit_r += st.get("agree_pred_right", (0, 0))[0]
-        cnt_r += st.get("agree_pred_right", (0, 0))[1]
+        h, c = st.get("agree_pred_right", (0, 0))
+        hit_r += h
+        cnt_r += c
         per_seq[i] = (sum(h for h, _ in st["agree_true"]), sum(c for _, c in st["agree_true"]))
     model.train()
     by_pos = [round(h / max(1, c), 4) for h, c in zip(hit_t, cnt_t)]
