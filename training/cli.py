@@ -37,7 +37,7 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
-                              w_reg=a.w_reg, ttt=a.training_time_test)
+                              w_reg=a.w_reg, ttt=a.training_time_test, pack_rows=a.pack_rows)
     if a.training_time_test and a.teacher_forcing:
         raise ConfigError("--training-time-test trains the second block's stream: not with --teacher-forcing")
     try:
@@ -279,6 +279,10 @@ def add_commands(sub) -> None:
                     help="the second block's stream reads the true tokens with the head's own predicted features "
                     "(EAGLE-3's training-time test: what a second drafted block reads once the first is accepted) "
                     "instead of CSGD's guessed tokens; no glancing")
+    tf.add_argument("--pack-rows", type=int, default=None, metavar="N",
+                    help="rows per training forward: a step's sequences are packed into forwards of at most N rows, "
+                    "each sequence seeing its own (default: 16384 on CUDA, where one short sequence per forward "
+                    "leaves the GPU idle; 0 = one sequence per forward, the default elsewhere)")
     tf.add_argument("--glance", type=float, default=0.4, help="glancing ratio lambda at the first step (decays to 0)")
     tf.add_argument("--w-dist", type=float, default=1.0, help="weight of the distillation loss (KL + CE) against "
                     "the feature regression (the paper: 0.1)")

@@ -63,6 +63,7 @@ class FalconTrainOptions(TrainerOptions):
     w_reg: float = 1.0             # 0 drops the feature regression (EAGLE-3's choice): tokens alone train the head
     alpha: float = 0.9
     ttt: bool = False              # training-time test: the predicted stream reads true tokens, predicted features
+    pack_rows: int | None = None   # rows per training forward, sequences packed (None: 16384 on CUDA, else 0 = one)
 
 
 @dataclass
@@ -153,36 +154,66 @@ def all_right_in_block(blocks: torch.Tensor, wrong: torch.Tensor) -> torch.Tenso
     return bad[blocks] == 0
 
 
+def row_counts(T: int, start: int, k: int, two_streams: bool) -> tuple[int, int]:
+    """A sequence of T tokens whose answer starts after position ``start``: (its loss rows, the rows its forward runs),
+    both streams' with ``two_streams``; what ``pack_loss`` reports, known before it runs (steps and packs are cut by
+    it)."""
+    hi, lo = T - 1 - k, max(1, start + 1 - k)      # positions j whose label t_{j+k} is an answer token
+    n = max(0, hi - lo + 1)
+    m = max(0, hi - max(lo, k + 1) + 1) if two_streams else 0  # the second stream's: j >= k + 1
+    return n + m, max(0, T - 1) + m
+
+
 def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTrainOptions, tables: dict,
                   offset: int = 0, lam: float = 0.0, rng: random.Random | None = None, train: bool = True):
-    """Loss summed over sequence i's loss rows (both streams with CSGD) -> (loss, rows, stats)."""
+    """``pack_loss`` of sequence i alone."""
+    return pack_loss(model, data, [i], opts, tables, [offset], lam, rng, train)
+
+
+def pack_loss(model: FalconModel, data: FeatureData, seqs: list[int], opts: FalconTrainOptions, tables: dict,
+              offsets: list[int] | None = None, lam: float = 0.0, rng: random.Random | None = None,
+              train: bool = True):
+    """Loss summed over the loss rows of sequences ``seqs`` (block boundaries shifted by ``offsets``), run as one
+    forward in which each sequence's rows see their own alone (both streams with CSGD) -> (loss, rows, stats), or None
+    when none has a loss row. One sequence per forward leaves a small head's GPU idle between kernel launches; a pack
+    of them fills it (glancing then draws its N = round(lambda * d) over the pack)."""
     c, dev = model.c, model.fuse.device
     k = c.k
-    tok = data.tokens[i].to(dev)
-    feats = data.feats[i].to(dev, torch.float32)
-    T, start = len(tok), data.answer_start[i]
-    pos = torch.arange(1, T, device=dev)                 # rows: positions 1 .. T-1
-    ids, fin = tok[1:], feats[:-1]                        # (t_p, f_{p-1})
-    taps = None
-    if c.taps:  # the lower layers at p - 1, in the head's order
-        taps = data.tap_rows(i, c.taps)[:-1].to(dev, torch.float32)
-    if train and opts.noise:
-        fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
-    blocks = block_ids(pos, k, offset)
-    # loss rows: position j with label t_{j+k} inside the sequence and in the answer
-    lab_pos = pos + k
-    loss_row = (lab_pos <= T - 1) & (lab_pos >= start + 1)
-    rows = loss_row.nonzero().squeeze(1)                  # row index = position - 1
+    offsets = offsets or [0] * len(seqs)
+    parts = {n: [] for n in ("ids", "fin", "pos", "seg", "blocks", "off", "taps", "rows", "lab_tok", "lab_feat")}
+    n_rows = base = 0
+    for s, (i, off) in enumerate(zip(seqs, offsets)):
+        tok = data.tokens[i].to(dev)
+        feats = data.feats[i].to(dev, torch.float32)
+        T, start = len(tok), data.answer_start[i]
+        pos = torch.arange(1, T, device=dev)             # rows: positions 1 .. T-1 (row index = position - 1)
+        blocks = block_ids(pos, k, off)
+        # loss rows: position j with label t_{j+k} inside the sequence and in the answer
+        lab_pos = pos + k
+        rows = ((lab_pos <= T - 1) & (lab_pos >= start + 1)).nonzero().squeeze(1)
+        for name, v in (("ids", tok[1:]), ("fin", feats[:-1]), ("pos", pos), ("seg", torch.full_like(pos, s)),
+                        ("blocks", blocks + base), ("off", torch.full_like(pos, off)), ("rows", rows + n_rows),
+                        ("lab_tok", tok[lab_pos[rows]]), ("lab_feat", feats[lab_pos[rows] - 1])):  # t_{j+k}, f_{j+k-1}
+            parts[name].append(v)
+        if c.taps:  # the lower layers at p - 1, in the head's order
+            parts["taps"].append(data.tap_rows(i, c.taps)[:-1].to(dev, torch.float32))
+        n_rows += T - 1
+        base += int(blocks[-1]) + 1 if T > 1 else 0    # block ids stay distinct across the pack
+    ids, fin, pos, seg, blocks, off, rows, label_tok, label_feat = (
+        torch.cat(parts[n]) for n in ("ids", "fin", "pos", "seg", "blocks", "off", "rows", "lab_tok", "lab_feat"))
     if not len(rows):
         return None
-    label_tok = tok[lab_pos[rows]]                        # t_{j+k}
-    label_feat = feats[lab_pos[rows] - 1]                 # f_{j+k-1}
+    taps = torch.cat(parts["taps"]) if c.taps else None
+    if train and opts.noise:
+        fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
+    own = seg[None, :] == seg[:, None]
     # predicted inputs exist from position k + 1 on; evaluation measures the second block with or without CSGD
-    pred_rows = rows[rows >= k] if opts.csgd or not train else rows[:0]
+    pred_at = pos[rows] >= k + 1 if opts.csgd or not train else torch.zeros_like(rows, dtype=torch.bool)
+    pred_rows = rows[pred_at]
     stats = {}
     if len(pred_rows):
         with torch.no_grad():  # pass 1: the true stream
-            f1 = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]), taps=taps)
+            f1 = model(ids, fin, pos, own & (blocks[None, :] <= blocks[:, None]), taps=taps)
             src = pred_rows - k                               # the rows that guessed these rows' inputs
             guess = tables["vocab_ids"][model.logits(f1[src]).argmax(-1)]
         true_in = ids[pred_rows]
@@ -197,16 +228,17 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
         all_ids = torch.cat([ids, p_ids])
         all_feats = torch.cat([fin, p_feats])
         all_pos = torch.cat([pos, pos[pred_rows]])
+        all_seg = torch.cat([seg, seg[pred_rows]])
         all_taps = None
         if taps is not None:  # a predicted input has no target layers behind it: zeros, as at inference
             all_taps = torch.cat([taps, torch.where(glanced[:, None, None], taps[pred_rows], 0.0)])
-        mask = two_stream_mask(blocks, blocks[pred_rows])
+        mask = two_stream_mask(blocks, blocks[pred_rows]) & (all_seg[None, :] == all_seg[:, None])
         out = model(all_ids, all_feats, all_pos, mask, taps=all_taps)
         sel = torch.cat([rows, len(pos) + torch.arange(len(pred_rows), device=dev)])
-        label_tok = torch.cat([label_tok, tok[lab_pos[pred_rows]]])
-        label_feat = torch.cat([label_feat, feats[lab_pos[pred_rows] - 1]])
+        label_tok = torch.cat([label_tok, label_tok[pred_at]])
+        label_feat = torch.cat([label_feat, label_feat[pred_at]])
     else:
-        out = model(ids, fin, pos, (blocks[None, :] <= blocks[:, None]), taps=taps)
+        out = model(ids, fin, pos, own & (blocks[None, :] <= blocks[:, None]), taps=taps)
         sel = rows
     f_hat = out[sel].float()
     logits = model.logits(f_hat).float()
@@ -221,7 +253,7 @@ def sequence_loss(model: FalconModel, data: FeatureData, i: int, opts: FalconTra
     with torch.no_grad():
         agree = logits.argmax(-1) == t_logp.argmax(-1)
         n_true = len(rows)
-        in_block = (pos[rows] + offset) % k
+        in_block = (pos[rows] + off[rows]) % k
         stats["agree_true"] = [(int(agree[:n_true][in_block == j].sum()), int((in_block == j).sum()))
                                for j in range(k)]
         stats["agree_pred"] = (int(agree[n_true:].sum()), int(len(agree) - n_true))
@@ -278,6 +310,20 @@ def loss_tables(model: FalconModel) -> dict:
     return {"head_t": model.head_weight.float().t().contiguous(), "local": local, "vocab_ids": model.vocab_ids}
 
 
+def packs(seqs: list[tuple[int, int, int]], pack_rows: int) -> list[list[tuple[int, int, int]]]:
+    """(sequence, offset, rows its forward runs) in order -> consecutive packs of at most ``pack_rows`` rows (a
+    longer sequence alone; 0: one sequence per pack)."""
+    out: list[list[tuple[int, int, int]]] = []
+    size = 0
+    for q in seqs:
+        if not out or size + q[2] > pack_rows:
+            out.append([])
+            size = 0
+        out[-1].append(q)
+        size += q[2]
+    return out
+
+
 def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state_path: Path | None = None,
           progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None,
           val_groups: dict[str, list[int]] | None = None) -> dict:
@@ -287,6 +333,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
     rng = random.Random(opts.seed)
     train_idx, val_idx = split if split is not None else seeded_split(len(data), opts.val_fraction, rng)
     tables = loss_tables(model)
+    pack_rows = opts.pack_rows if opts.pack_rows is not None else 16384 if model.fuse.device.type == "cuda" else 0
     params, optim = make_optimizer(model, opts)
     step, history = resume(state_path, model, optim, rng, log)
     model.train()
@@ -301,19 +348,22 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
         for g in optim.param_groups:
             g["lr"] = lr_at(step, opts)
         lam = opts.glance * (opts.steps - step) / opts.steps
-        n_rows, loss_sum, ham = 0, 0.0, 0
-        while n_rows < opts.batch_tokens:
+        step_seqs, n_rows, loss_sum, ham = [], 0, 0.0, 0
+        while n_rows < opts.batch_tokens:  # whole sequences until the step has batch_tokens loss rows
             if not cursor:
                 cursor = list(train_idx)
                 rng.shuffle(cursor)
             i = cursor.pop()
+            offset = rng.randrange(model.c.k)
+            rows, run = row_counts(len(data.tokens[i]), data.answer_start[i], model.c.k, opts.csgd)
+            if rows:
+                step_seqs.append((i, offset, run))
+                n_rows += rows
+        for pack in packs(step_seqs, pack_rows):
             with torch.autocast(model.fuse.device.type, dtype=torch.bfloat16, enabled=opts.autocast):
-                r = sequence_loss(model, data, i, opts, tables, offset=rng.randrange(model.c.k), lam=lam, rng=rng)
-            if r is None:
-                continue
-            loss, rows, st = r
+                loss, rows, st = pack_loss(model, data, [i for i, _, _ in pack], opts, tables,
+                                           [o for _, o, _ in pack], lam=lam, rng=rng)
             (loss / opts.batch_tokens).backward()
-            n_rows += rows
             loss_sum += float(loss.detach())
             ham += st.get("hamming", 0)
         torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)

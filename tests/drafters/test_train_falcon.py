@@ -8,8 +8,8 @@ import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
 from training.falcon import (FalconTrainOptions, FeatureData, all_right_in_block, build_model, glance_rows,
-                             hash_split, loss_tables, sequence_loss, teacher_features, train, two_stream_mask,
-                             with_taps)
+                             hash_split, loss_tables, pack_loss, packs, row_counts, sequence_loss, teacher_features,
+                             train, two_stream_mask, with_taps)
 from training.glide import TrainOptions, split_rows
 
 
@@ -225,3 +225,64 @@ def test_training_time_test_feeds_the_second_block_the_true_tokens(target32):
     with torch.no_grad():
         st = sequence_loss(model, data, 0, ttt, wrong_guesses, train=False)[2]
     assert st["agree_pred_right"][1] == 0 and st["agree_pred"][1] > 0
+
+
+def test_a_pack_of_sequences_gives_what_each_gives_alone(target32):
+    """Sequences packed into one training forward (rows see their own sequence alone) give the sum of their losses,
+    rows, gradients and agreement counts, with each objective; the rows are the ones ``row_counts`` foretells."""
+    g = torch.Generator().manual_seed(1)
+    lens = [(4, 19), (9, 6), (3, 30), (6, 2), (12, 11)]  # (prompt, answer); (6, 2): no loss row with k = 2
+    items = [{"prompt_ids": torch.randint(10, 2000, (p,), generator=g).tolist(),
+              "response_ids": torch.randint(10, 2000, (r,), generator=g).tolist()} for p, r in lens]
+    data = teacher_features(target32, items, max_len=64, progress=False, taps=(3,))
+    torch.manual_seed(0)
+    model = with_taps(build_model(target32, torch.arange(512)), [3], target32)
+    with torch.no_grad():
+        model.tap_fuse.normal_(std=0.02)  # the lower layer counts
+    tables = loss_tables(model)
+    seqs, offsets = list(range(len(data))), [1, 0, 1, 1, 0][:len(data)]
+    for opts, train in ((FalconTrainOptions(noise=0.0, autocast=False, glance=0.0), True),
+                        (FalconTrainOptions(noise=0.0, autocast=False, ttt=True), True),
+                        (FalconTrainOptions(noise=0.0, autocast=False, csgd=False), True),
+                        (FalconTrainOptions(noise=0.0, autocast=False), False)):
+        model.zero_grad()
+        loss, rows, st = pack_loss(model, data, seqs, opts, tables, offsets, train=train)
+        loss.backward()
+        packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        alone = [sequence_loss(model, data, i, opts, tables, o, train=train) for i, o in zip(seqs, offsets)]
+        alone = [r for r in alone if r is not None]
+        sum(r[0] for r in alone).backward()
+        assert torch.allclose(loss, sum(r[0] for r in alone), rtol=1e-4)
+        assert rows == sum(r[1] for r in alone) == sum(
+            row_counts(len(data.tokens[i]), data.answer_start[i], 2, opts.csgd or not train)[0] for i in seqs)
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                assert (packed[n] - p.grad).norm() <= 1e-4 * p.grad.norm(), n
+        for key in ("agree_true", "agree_pred", "hamming", "agree_pred_right"):
+            if key in st:
+                want = [r[2][key] for r in alone]
+                total = [tuple(map(sum, zip(*js))) for js in zip(*want)] if key == "agree_true" else \
+                    tuple(map(sum, zip(*want))) if isinstance(want[0], tuple) else sum(want)
+                assert st[key] == total, key
+
+
+def test_packs_cut_a_step_into_forwards_of_bounded_rows():
+    seqs = [(0, 0, 50), (1, 1, 30), (2, 0, 90), (3, 1, 10), (4, 0, 10)]
+    assert [[q[0] for q in p] for p in packs(seqs, 100)] == [[0, 1], [2, 3], [4]]
+    assert [[q[0] for q in p] for p in packs(seqs, 40)] == [[0], [1], [2], [3, 4]]  # a long one alone
+    assert [[q[0] for q in p] for p in packs(seqs, 0)] == [[0], [1], [2], [3], [4]]
+
+
+def test_packed_training_steps_move_the_head_as_one_sequence_per_forward_does(target32):
+    data = _features(target32)
+    heads = []
+    for pack_rows in (0, 10 ** 6):
+        torch.manual_seed(0)
+        model = build_model(target32, torch.arange(512))
+        opts = FalconTrainOptions(steps=3, batch_tokens=96, warmup=1, save_every=100, val_fraction=0.2,
+                                  autocast=False, noise=0.0, ttt=True, pack_rows=pack_rows)
+        train(model, data, opts, progress=False, log=lambda m: None)
+        heads.append(model.state_dict())
+    for n, a in heads[0].items():
+        assert (a.float() - heads[1][n].float()).norm() <= 1e-3 * (a.float().norm() + 1e-6), n
