@@ -36,6 +36,11 @@ predicted features (no target layers behind them) and nothing is glanced. A seco
 anything when the first was accepted, and then its input tokens are the target's: guessed tokens that are wrong train
 rows that inference throws away. Evaluation reads guessed tokens either way and also reports the second block's
 agreement over the blocks whose guessed inputs were all right (what the served second block meets).
+
+**Packing** (``pack_rows``): a step's sequences run in forwards of up to that many rows, each sequence's rows seeing
+only their own (``pack_loss``), which gives the losses and gradients of one forward per sequence. On CUDA (default
+16,384 rows) it turns a launch-bound step into one forward and backward; on a CPU a pack costs more than its sequences
+apart, so the default there is one sequence per forward.
 """
 from __future__ import annotations
 
