@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafters.falcon.model import FalconConfig, FalconModel, block_ids
+from drafters.falcon.model import FalconConfig, FalconModel, block_ids, relaxed_mask
 from training.common import (TrainerOptions, answers_digest, held_out, lr_at, make_optimizer, prepare_run, resume,
                              save_state, seeded_split, source_group, start_from)
 from training.teacher import teacher_pass
@@ -211,14 +211,14 @@ def pack_loss(model: FalconModel, data: FeatureData, seqs: list[int], opts: Falc
     taps = torch.cat(parts["taps"]) if c.taps else None
     if train and opts.noise:
         fin = fin + (torch.rand_like(fin) * 2 - 1) * opts.noise
-    own = seg[None, :] == seg[:, None]
+    true_mask = (seg[None, :] == seg[:, None]) & relaxed_mask(blocks)  # each sequence's own rows alone
     # predicted inputs exist from position k + 1 on; evaluation measures the second block with or without CSGD
     pred_at = pos[rows] >= k + 1 if opts.csgd or not train else torch.zeros_like(rows, dtype=torch.bool)
     pred_rows = rows[pred_at]
     stats = {}
     if len(pred_rows):
         with torch.no_grad():  # pass 1: the true stream
-            f1 = model(ids, fin, pos, own & (blocks[None, :] <= blocks[:, None]), taps=taps)
+            f1 = model(ids, fin, pos, true_mask, taps=taps)
             src = pred_rows - k                               # the rows that guessed these rows' inputs
             guess = tables["vocab_ids"][model.logits(f1[src]).argmax(-1)]
         true_in = ids[pred_rows]
@@ -243,7 +243,7 @@ def pack_loss(model: FalconModel, data: FeatureData, seqs: list[int], opts: Falc
         label_tok = torch.cat([label_tok, label_tok[pred_at]])
         label_feat = torch.cat([label_feat, label_feat[pred_at]])
     else:
-        out = model(ids, fin, pos, own & (blocks[None, :] <= blocks[:, None]), taps=taps)
+        out = model(ids, fin, pos, true_mask, taps=taps)
         sel = rows
     f_hat = out[sel].float()
     logits = model.logits(f_hat).float()
@@ -366,7 +366,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
                 n_rows += rows
         for pack in packs(step_seqs, pack_rows):
             with torch.autocast(model.fuse.device.type, dtype=torch.bfloat16, enabled=opts.autocast):
-                loss, rows, st = pack_loss(model, data, [i for i, _, _ in pack], opts, tables,
+                loss, _, st = pack_loss(model, data, [i for i, _, _ in pack], opts, tables,
                                            [o for _, o, _ in pack], lam=lam, rng=rng)
             (loss / opts.batch_tokens).backward()
             loss_sum += float(loss.detach())
