@@ -26,6 +26,11 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
                         max_len=a.max_len, seed=a.seed, train_tokens=a.train_tokens, source_weights=tuple(weights))
     overrides = {k: getattr(a, k) for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                              "intermediate_size") if getattr(a, k) is not None}
+    if a.read_layers:
+        try:
+            overrides["read_layers"] = [int(n) for n in a.read_layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--read-layers: comma-separated target layer numbers, got {a.read_layers!r}") from None
     run_train_glide(config_from_args(a), out=a.out, vanilla=a.vanilla, data_path=a.data, opts=opts,
                     vocab_subset=a.vocab_subset, max_new_tokens=a.max_new_tokens, gen_batch=a.gen_batch,
                     limit=a.limit, text_tokens=a.text_tokens, init=a.init, log=log_stderr, **overrides)
@@ -266,6 +271,9 @@ def add_commands(sub) -> None:
     for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
         tg.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
                         help=f"drafter {k.replace('_', ' ')} (default: the target's, one layer)")
+    tg.add_argument("--read-layers", default=None, metavar="L[,L...]",
+                    help="the target layer (0-based) whose K/V each draft layer's cross-attention reads, one per draft "
+                    "layer (default: the top --num-layers layers, in order)")
     tg.set_defaults(func=cmd_train_glide)
     tf.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
                     "falcon.safetensors)")

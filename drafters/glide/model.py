@@ -2,7 +2,8 @@
 
 Each draft layer m is
     x = x + SelfAttn(norm(x))                  # over the drafter's own KV cache, causal
-    x = x + CrossAttn(norm(x), K_l, V_l)       # into the target's post-RoPE KV of layer l = N_T - N_D + m
+    x = x + CrossAttn(norm(x), K_l, V_l)       # into the target's post-RoPE KV of layer l = N_T - N_D + m,
+                                               # or read_layers[m] when set
     x = x + SwiGLU(norm(x))
 The cross-attention projects each draft row to one query per *target* head, rotates it at its absolute position with
 the target's RoPE settings (theta and scaling come from the target's config), attends to the target's cached K/V (GQA
@@ -56,6 +57,7 @@ class GlideConfig:
     intermediate_size: int = 1536
     cross_attention: bool = True
     vocab_subset: int = 0      # LM head rows kept (0: the whole vocabulary)
+    read_layers: list | None = None  # the target layer each draft layer reads (None: the top num_layers, in order)
     extra: dict = field(default_factory=dict)  # free-form notes (training recipe)
 
     @classmethod
@@ -81,9 +83,16 @@ class GlideConfig:
             raise ValueError("glide: heads must be a multiple of kv heads")
         if not 1 <= self.num_layers <= self.target_num_layers:
             raise ValueError(f"glide: num_layers must be in [1, {self.target_num_layers}]")
+        if self.read_layers is not None:
+            if len(self.read_layers) != self.num_layers or \
+                    not all(0 <= int(n) < self.target_num_layers for n in self.read_layers):
+                raise ValueError(f"glide: read_layers needs one target layer in [0, {self.target_num_layers - 1}] "
+                                 f"per draft layer ({self.num_layers}), got {self.read_layers}")
 
     def target_layer(self, m: int) -> int:
-        """The target layer draft layer m reads: the top N_D layers, in order."""
+        """The target layer draft layer m reads: ``read_layers[m]``, by default the top N_D layers in order."""
+        if self.read_layers is not None:
+            return int(self.read_layers[m])
         return self.target_num_layers - self.num_layers + m
 
     def rope_args(self) -> SimpleNamespace:

@@ -126,6 +126,39 @@ def test_drafter_ignores_unverified_target_cache(fp32_config, target32, random_g
     assert trees[0] == trees[1]
 
 
+def test_a_drafter_reads_the_target_layer_it_is_configured_for(fp32_config, target32, tmp_path):
+    """read_layers=[L]: the cross-attention reads layer L's verified K/V and no other layer's; the choice survives a
+    checkpoint round trip, and the cross-attention's projections start from layer L's."""
+    from training.glide import build_model
+
+    mid = target32.args.num_layers // 2
+    with pytest.raises(ValueError, match="read_layers"):
+        build_model(target32, torch.arange(512), read_layers=[mid, mid])  # one draft layer: one layer to read
+    with pytest.raises(ValueError, match="read_layers"):
+        build_model(target32, torch.arange(512), read_layers=[target32.args.num_layers])
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(4096), read_layers=[mid])
+    assert torch.equal(model.layers[0].cross_norm, target32.model.layers[mid].attn_norm)
+    for p in model.parameters():
+        p.data.add_(torch.randn_like(p) * 0.02)
+    path = tmp_path / "glide-mid.safetensors"
+    model.save(path, {"note": "random"})
+    assert GlideModel.load(path).c.target_layer(0) == mid
+    trees = {}
+    for garbage in (None, mid, target32.args.num_layers - 1):
+        drafter = GlideDrafter(target32, checkpoint=str(path), gamma=4)
+        engine = Engine(fp32_config, drafter, target32)
+        seq = engine.add(list(range(20, 60)), max_new_tokens=8)
+        engine.prefill(seq)
+        if garbage is not None:  # the verified positions of one layer
+            engine.pool.k[garbage, seq.slot, :, :seq.cache_len] = 7.0
+            engine.pool.v[garbage, seq.slot, :, :seq.cache_len] = -7.0
+        trees[garbage] = drafter.propose(engine.view(seq)).tokens
+        engine.release(seq)
+    assert trees[target32.args.num_layers - 1] == trees[None]
+    assert trees[mid] != trees[None]
+
+
 # -- CAPE -------------------------------------------------------------------------------------------------------
 def test_cape_expansion_sizes_follow_the_bins():
     assert [expansion_size(p) for p in (0.05, 0.3, 0.31, 0.6, 0.7, 0.8, 0.81, 1.0)] == [7, 7, 5, 5, 3, 3, 1, 1]
