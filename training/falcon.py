@@ -367,7 +367,7 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
         for pack in packs(step_seqs, pack_rows):
             with torch.autocast(model.fuse.device.type, dtype=torch.bfloat16, enabled=opts.autocast):
                 loss, _, st = pack_loss(model, data, [i for i, _, _ in pack], opts, tables,
-                                           [o for _, o, _ in pack], lam=lam, rng=rng)
+                                        [o for _, o, _ in pack], lam=lam, rng=rng)
             (loss / opts.batch_tokens).backward()
             loss_sum += float(loss.detach())
             ham += st.get("hamming", 0)
