@@ -104,6 +104,13 @@ def test_train_falcon_refuses_two_objectives(capsys):
     assert "--training-time-test" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("reuse", ["float32", "int4/float32", "float32/int4,bf16/none"])
+def test_train_data_checks_the_targets_it_reuses_before_loading_one(reuse, capsys):
+    assert main(["train", "data", "--reuse", reuse, "--config", "missing.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "--reuse" in err and "dtype/quantization" in err
+
+
 @pytest.mark.parametrize("argv", [["--source-weight", "chat"], ["--source-weight", "chat=0"],
                                   ["--source-weight", "=2"], ["--train-tokens", "-1"]])
 def test_train_glide_checks_its_data_options(argv, capsys):

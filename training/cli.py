@@ -148,10 +148,16 @@ def cmd_train_data(a: argparse.Namespace) -> int:
 
     from server.engine import load_target
     from training.common import answers_path, synth_dir
-    from training.data import AnswerSettings, answer_records, prompt_records
+    from training.data import AnswerSettings, answer_records, parse_target, prompt_records
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
                               sampled_share=a.sampled_share, seed=a.seed, shard_size=a.shard_size)
+    reuse = [n.strip() for n in (a.reuse or "").split(",") if n.strip()]
+    for name in reuse:
+        try:
+            parse_target(name)
+        except ValueError as e:
+            raise ConfigError(f"--reuse: {e}") from None
     cfg = config_from_args(a)
     target = load_target(cfg)
     if not a.data:
@@ -163,7 +169,7 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     path = Path(a.data) if a.data else answers_path(cfg, target.model_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = answer_records(cfg, target, records, path, settings, batch=a.gen_batch, step_tokens=a.step_tokens,
-                          log=log_stderr, command=_replay_command(a))
+                          log=log_stderr, command=_replay_command(a), reuse=reuse)
     items = data["items"]
     print(f"{path}: {len(items)} answers, {sum(len(i['response_ids']) for i in items)} tokens; data card "
           f"{path.with_suffix('.card.md')}")
@@ -244,6 +250,9 @@ def add_commands(sub) -> None:
     td.add_argument("--shard-size", type=int, default=512, help="prompts per resumable shard")
     td.add_argument("--step-tokens", type=int, default=512, help="rows per target forward: decode steps, then "
                     "prompt chunks")
+    td.add_argument("--reuse", default=None, help="comma-separated dtype/quantization of other targets of the same "
+                    "weights (e.g. float32/int4) whose answer shards count as done: a run on another device or dtype "
+                    "answers only the prompts they lack")
     td.set_defaults(func=cmd_train_data, train_parser=td)
     tg.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
                     "glide.safetensors, or vanilla.safetensors with --vanilla)")

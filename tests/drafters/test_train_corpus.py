@@ -28,13 +28,17 @@ def run_pipeline(cfg, target, max_shards=None):
     """``train prompts`` then ``train data`` into cfg's cache, as the CLI runs them (default paths)."""
     st = synthesize_prompts(cfg, target, synth_dir(cfg, target.model_id), SYNTH, batch=4, max_shards=max_shards,
                             **QUIET)
-    records = prompt_records("synth", synth_dir(cfg, target.model_id) / "train.jsonl")
-    records += [{"messages": [{"role": "user", "content": "Name a color."}], "source": "chat", "category": "chat"},
-                {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
-                              {"role": "user", "content": "And times 3?"}], "source": "synth", "category": "math"}]
-    data = answer_records(cfg, target, records, answers_path(cfg, target.model_id), ANSWERS, batch=3,
-                          max_shards=max_shards, **QUIET)
+    data = answer_records(cfg, target, pipeline_records(cfg, target), answers_path(cfg, target.model_id), ANSWERS,
+                          batch=3, max_shards=max_shards, **QUIET)
     return st, data
+
+
+def pipeline_records(cfg, target):
+    records = prompt_records("synth", synth_dir(cfg, target.model_id) / "train.jsonl")
+    return records + [
+        {"messages": [{"role": "user", "content": "Name a color."}], "source": "chat", "category": "chat"},
+        {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                      {"role": "user", "content": "And times 3?"}], "source": "synth", "category": "math"}]
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +125,33 @@ def test_saved_header_covers_only_the_shards_of_the_merged_file(first, fp32_conf
     fresh = in_cache(fp32_config, tmp_path / "fresh")
     corpus.restore(fresh, target32.model_id, root=root, log=lambda m: None)
     assert load_responses(answers_path(fresh, target32.model_id))["items"] == limited["items"]
+
+
+def test_a_run_on_another_target_answers_only_the_prompts_the_reused_shards_lack(first, target32, int4, tmp_path):
+    """A run on another device or dtype (here the int4 target after float32 shards) keeps, with ``reuse``, the shards
+    whose prompts and settings match and answers only the new prompts; the merged file counts each target's answers.
+    Without ``reuse`` no shard of the other target counts (its key names the dtype and quantization)."""
+    import shutil
+
+    cfg, data = first
+    cfg4, target4 = int4
+    copy = in_cache(cfg4, tmp_path / "cache")
+    shutil.copytree(answers_path(cfg, target32.model_id).parent, answers_path(copy, target4.model_id).parent)
+    records = pipeline_records(cfg, target32)
+    records += [{"messages": [{"role": "user", "content": f"Name {n} animals."}], "source": "chat",
+                 "category": "chat"} for n in ("two", "three", "four")]
+    kept = len(pipeline_records(cfg, target32)) // ANSWERS.shard_size  # the full shards keep their prompts
+    out, sdir = answers_path(copy, target4.model_id), shard_dir(answers_path(copy, target4.model_id))
+    before = {p.name: p.read_bytes() for p in sorted(sdir.glob("answers-*.pt"))[:kept]}
+    assert kept >= 1 and len(before) == kept
+    assert not answer_records(copy, target4, records, out, ANSWERS, batch=3, max_shards=0, **QUIET)["complete"]
+    with pytest.raises(ValueError, match="dtype/quantization"):
+        answer_records(copy, target4, records, out, ANSWERS, batch=3, max_shards=0, reuse=["float32"], **QUIET)
+    both = answer_records(copy, target4, records, out, ANSWERS, batch=3, reuse=["float32/none"], **QUIET)
+    assert both["complete"] and {p.name: p.read_bytes() for p in sorted(sdir.glob("answers-*.pt"))[:kept]} == before
+    old = [it for it in data["items"] if "turn" not in it and it["index"] < kept * ANSWERS.shard_size]
+    assert [it for it in both["items"] if "turn" not in it][:len(old)] == old
+    generated = [it for it in both["items"] if "turn" not in it]
+    assert both["targets"] == {"float32/none": len(old), "float32/int4": len(generated) - len(old)}
+    assert sorted(it["index"] for it in generated) == list(range(len(records)))
+    assert json.loads(out.with_suffix(".card.json").read_text())["targets"] == both["targets"]
