@@ -349,17 +349,18 @@ def _item(index: int, record: dict, prompt: list[int], result: GenResult, temper
 def _merge(sdir: Path, origins: list[str], model_id: str, s: AnswerSettings) -> dict:
     """Every shard's answers in index order; prompts the engine refused (longer than its context) are left out.
     ``origins``: per shard, the target that answered it."""
-    items, seconds, targets = [], 0.0, Counter()
+    items, seconds, refused, targets = [], 0.0, 0, Counter()
     for k, name in enumerate(origins):
         shard = torch.load(sdir / f"answers-{k:05d}.pt", weights_only=True)
-        items += shard["items"]
+        kept = [it for it in shard["items"] if it["finish_reason"] != "refused" and it["response_ids"]]
+        items += kept
+        refused += len(shard["items"]) - len(kept)
+        targets[name] += len(kept)
         seconds += shard["seconds"]
-        targets[name] += sum(it["finish_reason"] != "refused" and bool(it["response_ids"]) for it in shard["items"])
-    kept = [it for it in items if it["finish_reason"] != "refused" and it["response_ids"]]
     return {"model_id": model_id, "max_new_tokens": s.max_new_tokens, "temperature": 0.0,
             "temperatures": list(s.temperatures), "sampled_share": s.sampled_share, "seed": s.seed,
-            "complete": True, "refused": len(items) - len(kept), "generation_seconds": round(seconds, 1),
-            "targets": dict(targets), "items": kept}
+            "complete": True, "refused": refused, "generation_seconds": round(seconds, 1),
+            "targets": dict(targets), "items": items}
 
 
 def prompt_records(sources: str | None, synth_train: Path | None, log=print) -> list[dict]:
