@@ -104,6 +104,14 @@ def test_train_falcon_refuses_two_objectives(capsys):
     assert "--training-time-test" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,says", [(["--seconds", "0"], "--seconds: a positive wall time"),
+                                       (["--seconds", "-5"], "--seconds: a positive wall time"),
+                                       (["--save-every", "0"], "--save-every: at least 1 step")])
+def test_train_falcon_checks_its_time_budget_and_evaluation_interval(argv, says, capsys):
+    assert main(["train", "falcon", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("reuse", ["float32", "int4/float32", "float32/int4,bf16/none"])
 def test_train_data_checks_the_targets_it_reuses_before_loading_one(reuse, capsys):
     assert main(["train", "data", "--reuse", reuse, "--config", "missing.yaml"]) == 2

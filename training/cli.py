@@ -42,7 +42,12 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
-                              w_reg=a.w_reg, ttt=a.training_time_test, pack_rows=a.pack_rows)
+                              w_reg=a.w_reg, ttt=a.training_time_test, pack_rows=a.pack_rows, seconds=a.seconds,
+                              save_every=a.save_every)
+    if a.seconds is not None and a.seconds <= 0:
+        raise ConfigError(f"--seconds: a positive wall time, got {a.seconds:g}")
+    if a.save_every < 1:
+        raise ConfigError(f"--save-every: at least 1 step, got {a.save_every}")
     if a.training_time_test and a.teacher_forcing:
         raise ConfigError("--training-time-test trains the second block's stream: not with --teacher-forcing")
     try:
@@ -287,6 +292,11 @@ def add_commands(sub) -> None:
     tf.add_argument("--out", default=None, help="checkpoint path (default: drafters/checkpoints/<target>/"
                     "falcon.safetensors)")
     tf.add_argument("--steps", type=int, default=1200)
+    tf.add_argument("--seconds", type=float, default=None,
+                    help="train for this wall time instead of --steps: the steps (and the learning-rate schedule) "
+                    "come from the pace of steps 5-25 and the first evaluation; such a run does not resume")
+    tf.add_argument("--save-every", type=int, default=100, metavar="N",
+                    help="evaluate on the held-out answers (and save the resumable state) every N steps")
     tf.add_argument("--batch-tokens", type=int, default=4096, help="loss rows per optimizer step")
     tf.add_argument("--lr", type=float, default=1e-3)
     tf.add_argument("--k", type=int, default=2, help="tokens per block (per drafter forward)")

@@ -56,7 +56,7 @@ from tqdm import tqdm
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids, relaxed_mask
 from training.common import (TrainerOptions, answers_digest, held_out, lr_at, make_optimizer, prepare_run, resume,
                              save_state, seeded_split, source_group, start_from)
-from training.teacher import teacher_pass
+from training.teacher import padded_pass, teacher_pass
 
 
 @dataclass
@@ -69,6 +69,7 @@ class FalconTrainOptions(TrainerOptions):
     alpha: float = 0.9
     ttt: bool = False              # training-time test: the predicted stream reads true tokens, predicted features
     pack_rows: int | None = None   # rows per training forward, sequences packed (None: 16384 on CUDA, else 0 = one)
+    seconds: float | None = None   # train for this wall time: ``steps`` is set from the first steps' pace
 
 
 @dataclass
@@ -103,7 +104,8 @@ def cached_features(target, items: list[dict], max_len: int, path: Path, taps: l
     if data is None or len(data.index) != len(data) or not set(taps) <= set(data.tap_layers):
         t0 = time.perf_counter()
         data = teacher_features(target, items, max_len, progress=progress, taps=tuple(taps))
-        torch.save(data.__dict__, path)
+        if target.device.type != "cuda":  # a GPU computes the pass faster than it would read the file back
+            torch.save(data.__dict__, path)
         log(f"teacher pass: {len(data)} sequences in {time.perf_counter() - t0:.0f} s")
     return data
 
@@ -111,9 +113,13 @@ def cached_features(target, items: list[dict], max_len: int, path: Path, taps: l
 def teacher_features(target, items: list[dict], max_len: int, progress: bool = True,
                      taps: tuple[int, ...] = ()) -> FeatureData:
     """The teacher pass (``training.teacher``) for Falcon: every position's final-normed target features (and the
-    residual stream after each layer count in ``taps``), for the sequences with at least 3 answer positions."""
-    t = teacher_pass(target, items, [], max_len, progress=progress, all_positions=True, min_answer=3,
-                     taps=tuple(taps))
+    residual stream after each layer count in ``taps``), for the sequences with at least 3 answer positions. An
+    unquantized target on a GPU runs it as padded batches (``padded_pass``, its features left on the GPU)."""
+    if target.device.type == "cuda" and target.quantization == "none":
+        t = padded_pass(target, items, max_len, min_answer=3, taps=tuple(taps))
+    else:
+        t = teacher_pass(target, items, [], max_len, progress=progress, all_positions=True, min_answer=3,
+                         taps=tuple(taps))
     return FeatureData(t.tokens, t.answer_start, t.hidden, t.index, t.taps, list(taps))
 
 
@@ -329,6 +335,18 @@ def packs(seqs: list[tuple[int, int, int]], pack_rows: int) -> list[list[tuple[i
     return out
 
 
+PROBE_STEPS = (5, 25)  # with ``seconds``: the pace is timed between these steps (warm-up excluded)
+
+
+def steps_for_seconds(seconds: float, elapsed: float, done: int, per_step: float, eval_seconds: float,
+                      save_every: int) -> int:
+    """The total steps that fit in ``seconds`` of training when ``done`` steps took ``elapsed`` and each further
+    step costs ``per_step``, plus an evaluation of ``eval_seconds`` every ``save_every`` steps (never fewer than
+    ``done``)."""
+    per = per_step + eval_seconds / max(1, save_every)
+    return done + max(0, int((seconds - elapsed) / per)) if per > 0 else done
+
+
 def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state_path: Path | None = None,
           progress: bool = True, log=print, split: tuple[list[int], list[int]] | None = None,
           val_groups: dict[str, list[int]] | None = None) -> dict:
@@ -342,10 +360,15 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
     params, optim = make_optimizer(model, opts)
     step, history = resume(state_path, model, optim, rng, log)
     model.train()
+    t_start, eval_seconds = time.perf_counter(), 0.0
     if val_idx and step == 0:
         first = evaluate(model, data, val_idx, opts, tables, val_groups)
+        eval_seconds = time.perf_counter() - t_start
         log(f"step 0: val {first}")
         history.append({"step": 0, **first})
+    budget = opts.seconds is not None and step <= PROBE_STEPS[0]
+    if budget:  # the pace is unknown yet: run the probe as a whole, then set the steps
+        opts.steps = max(opts.steps, PROBE_STEPS[1])
     cursor: list[int] = []
     bar = tqdm(total=opts.steps, initial=step, desc="train falcon", unit="step", disable=not progress)
     t0 = time.perf_counter()
@@ -377,6 +400,18 @@ def train(model: FalconModel, data: FeatureData, opts: FalconTrainOptions, state
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / n_rows:.4f}", lam=f"{lam:.2f}", ham=ham)
+        if budget and step in PROBE_STEPS:  # time steps 5 to 25, then set the steps that fit
+            if model.fuse.device.type == "cuda":
+                torch.cuda.synchronize()
+            if step == PROBE_STEPS[0]:
+                t_probe = time.perf_counter()
+            else:
+                per_step = (time.perf_counter() - t_probe) / (PROBE_STEPS[1] - PROBE_STEPS[0])
+                opts.steps = steps_for_seconds(opts.seconds, time.perf_counter() - t_start, step, per_step,
+                                               eval_seconds, opts.save_every)
+                bar.total = opts.steps
+                log(f"{per_step:.4f} s per step, {eval_seconds:.1f} s per evaluation: {opts.steps} steps fit in "
+                    f"{opts.seconds:g} s")
         if step % opts.save_every == 0 or step == opts.steps:
             ev = evaluate(model, data, val_idx, opts, tables, val_groups) if val_idx else {}
             history.append({"step": step, "train_loss": loss_sum / n_rows, **ev})
@@ -469,8 +504,9 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
               + (f"-taps{'.'.join(map(str, taps))}" if taps else ""))
     split, groups = hash_split(data, items + text_items, opts)
     log(f"training on {len(split[0])} sequences, validating on {len(split[1])} (held out by prompt hash, as GLIDE's)")
-    summary = train(model, data, opts, wd / f"falcon-{recipe}-train-state.pt", progress=progress, log=log,
-                    split=split, val_groups=groups)
+    # a run on a time budget starts afresh (its steps depend on the machine's pace); one of N steps resumes
+    state = None if opts.seconds is not None else wd / f"falcon-{recipe}-train-state.pt"
+    summary = train(model, data, opts, state, progress=progress, log=log, split=split, val_groups=groups)
     card = {
         "target": target.model_id, "drafter": "falcon",
         "architecture": {key: v for key, v in model.c.__dict__.items() if key != "extra"},

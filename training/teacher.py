@@ -2,7 +2,8 @@
 ``Target.forward``, keeping what a drafter learns from: the K/V of the target layers GLIDE reads and the target's
 final-normed hidden states (at the answer positions for GLIDE and the acceptance heads, at every position for
 Falcon's features). ``cached_teacher`` keeps GLIDE's passes on disk by content, so more answers, a subset of them or a
-killed run compute only what is new."""
+killed run compute only what is new. ``padded_pass`` is Falcon's pass on a GPU: padded batches through the Hugging
+Face model of the same weights, which a GPU runs several times faster than the engine's packed forwards."""
 from __future__ import annotations
 
 import hashlib
@@ -74,6 +75,76 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
         i = j
     bar.update(len(items) - bar.n)
     bar.close()
+    return out
+
+
+PADDED_ROWS = 262144  # padded rows (sequences x longest) per forward of ``padded_pass``
+
+
+@torch.inference_mode()
+def padded_pass(target, items: list[dict], max_len: int, min_answer: int = 1, taps: tuple[int, ...] = (),
+                rows: int = PADDED_ROWS, model=None, store_dtype=torch.bfloat16) -> TeacherData:
+    """``teacher_pass(..., all_positions=True)`` without K/V, run as padded batches of similar lengths through the
+    Hugging Face model of the target's weights (``target.hf_dir``, in the target's dtype and on its device, or
+    ``model``): its final norm gives the features and its decoder layers' outputs the lower layers ``taps``.
+    On a GPU a padded batch keeps thousands of sequences in one forward at the cost of plain attention, where the
+    engine's packed forward pays a mask over the whole pack: 21 s against about 115 s for 25,816 sequences (7.1M
+    tokens) on one H200. The outputs stay on the target's device."""
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=target.dtype).to(target.device).eval()
+    dev = next(model.parameters()).device
+    grab: dict = {}
+
+    def keep(name):
+        def hook(_mod, _inp, out):
+            grab[name] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    hooks = [model.model.layers[n - 1].register_forward_hook(keep(n)) for n in taps]
+    hooks.append(model.model.norm.register_forward_hook(keep("final")))
+    todo = []  # (item index, ids, start), as teacher_pass keeps them
+    for n, it in enumerate(items):
+        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
+        start = len(it["prompt_ids"]) - 1
+        if len(ids) - 1 - start >= min_answer:
+            todo.append((n, ids, start))
+    order = sorted(range(len(todo)), key=lambda j: len(todo[j][1]))
+    hidden: dict[int, torch.Tensor] = {}
+    lower: dict[int, torch.Tensor] = {}
+    try:
+        i = 0
+        while i < len(order):
+            j = i + 1  # sorted by length: the last sequence of a batch is its longest
+            while j < len(order) and (j + 1 - i) * len(todo[order[j]][1]) <= rows:
+                j += 1
+            batch = order[i:j]
+            width = len(todo[batch[-1]][1])
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for r, b in enumerate(batch):
+                ids[r, :len(todo[b][1])] = torch.tensor(todo[b][1])
+                mask[r, :len(todo[b][1])] = 1
+            model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False, logits_to_keep=1)
+            for r, b in enumerate(batch):
+                T = len(todo[b][1])
+                hidden[b] = grab["final"][r, :T].to(store_dtype).clone()
+                if taps:
+                    lower[b] = torch.stack([grab[n][r, :T] for n in taps], 1).to(store_dtype).clone()
+            i = j
+    finally:
+        for h in hooks:
+            h.remove()
+    out = TeacherData([], [], [], [], [])
+    for b, (n, ids, start) in enumerate(todo):
+        out.tokens.append(torch.tensor(ids, dtype=torch.long))
+        out.answer_start.append(start)
+        out.kv.append(torch.empty(0))
+        out.hidden.append(hidden[b])
+        out.index.append(n)
+        if taps:
+            out.taps.append(lower[b])
     return out
 
 

@@ -7,9 +7,9 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from training.falcon import (FalconTrainOptions, FeatureData, all_right_in_block, build_model, glance_rows,
-                             hash_split, loss_tables, pack_loss, packs, row_counts, sequence_loss, teacher_features,
-                             train, two_stream_mask, with_taps)
+from training.falcon import (PROBE_STEPS, FalconTrainOptions, FeatureData, all_right_in_block, build_model,
+                             glance_rows, hash_split, loss_tables, pack_loss, packs, row_counts, sequence_loss,
+                             steps_for_seconds, teacher_features, train, two_stream_mask, with_taps)
 from training.glide import TrainOptions, split_rows
 
 
@@ -193,6 +193,43 @@ def test_packed_teacher_passes_give_each_sequences_own_forward(target32):
         for field in ("hidden", "kv", "taps"):
             for a, b in zip(getattr(t, field), getattr(base, field)):
                 assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), field
+
+
+def test_the_padded_pass_gives_the_engines_features_in_the_items_order(target32, hf_model32):
+    """The GPU's teacher pass (padded batches of similar lengths through the Hugging Face model) keeps the sequences
+    the engine's pass keeps, in the items' order, with the same final-normed features and lower layers."""
+    from training.teacher import padded_pass, teacher_pass
+
+    g = torch.Generator().manual_seed(1)
+    lens = [(9, 30), (3, 1), (4, 6), (20, 50), (2, 2), (6, 12), (5, 40)]  # (3, 1) and (2, 2): under 3 answer rows
+    items = [{"prompt_ids": torch.randint(10, 2000, (p,), generator=g).tolist(),
+              "response_ids": torch.randint(10, 2000, (r,), generator=g).tolist()} for p, r in lens]
+    base = teacher_pass(target32, items, [], 48, progress=False, all_positions=True, min_answer=3, taps=(3, 15),
+                        batch_tokens=0)
+    assert base.index == [0, 2, 3, 5, 6]
+    for rows in (60, 10 ** 6):  # batches of one to three sequences (shortest first), and one batch for all
+        t = padded_pass(target32, items, 48, min_answer=3, taps=(3, 15), rows=rows, model=hf_model32)
+        assert t.index == base.index and t.answer_start == base.answer_start
+        assert all(torch.equal(a, b) for a, b in zip(t.tokens, base.tokens))
+        for field in ("hidden", "taps"):
+            for a, b in zip(getattr(t, field), getattr(base, field)):
+                assert a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2), field
+
+
+def test_a_time_budget_sets_the_steps_from_the_measured_pace(target32):
+    """``seconds``: the steps that fit once the probe's steps and the evaluations are paid for; a budget the probe
+    alone exceeds stops right after it, with the last evaluation as usual."""
+    assert steps_for_seconds(100.0, 10.0, 25, 0.125, 2.5, 20) == 25 + 360  # 90 s at 0.125 s + 2.5 s / 20 steps
+    assert steps_for_seconds(100.0, 10.0, 25, 0.125, 0.0, 20) == 25 + 720
+    assert steps_for_seconds(5.0, 10.0, 25, 0.125, 2.5, 20) == 25  # over budget already
+    data = _features(target32)
+    torch.manual_seed(0)
+    model = build_model(target32, torch.arange(512))
+    opts = FalconTrainOptions(steps=1000, batch_tokens=64, warmup=2, save_every=10, val_fraction=0.2,
+                              autocast=False, seconds=1e-3)
+    summary = train(model, data, opts, progress=False, log=lambda *a: None)
+    assert opts.steps == summary["steps"] == PROBE_STEPS[1]
+    assert [h["step"] for h in summary["history"]] == [0, 10, 20, 25]
 
 
 def test_rows_count_as_right_only_when_their_whole_block_was_guessed_right():
