@@ -181,7 +181,9 @@ def test_packed_teacher_passes_give_each_sequences_own_forward(target32):
     for ids, tp in zip(seqs, packed):
         one = target32.forward(ids, (3, 15))
         for a, b in ((tp.hidden, one.hidden), (tp.k, one.k), (tp.v, one.v), (tp.taps, one.taps)):
-            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+            # float32 round-off of GEMMs blocked by row count (AMX): relative to the tensor's scale, since the
+            # residual stream holds values in the thousands beside values near zero
+            assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
     base = teacher_pass(target32, items, [2], 16, progress=False, all_positions=True, min_answer=3, taps=(3,),
                         batch_tokens=0)
     assert base.index == [0, 2, 3, 4]  # the second is too short; the fourth is cut to 16 tokens
