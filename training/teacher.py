@@ -34,6 +34,18 @@ class TeacherData:
         return len(self.tokens)
 
 
+def kept_sequences(items: list[dict], max_len: int, min_answer: int) -> list[tuple[int, list[int], int]]:
+    """(item index, prompt + answer cut to ``max_len``, answer start) for the items with at least ``min_answer``
+    answer positions left: the sequences a teacher pass runs, in the items' order."""
+    out = []
+    for n, it in enumerate(items):
+        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
+        start = len(it["prompt_ids"]) - 1
+        if len(ids) - 1 - start >= min_answer:
+            out.append((n, ids, start))
+    return out
+
+
 @torch.inference_mode()
 def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int, store_dtype=torch.bfloat16,
                  progress: bool = True, all_positions: bool = False, min_answer: int = 1,
@@ -46,12 +58,7 @@ def teacher_pass(target, items: list[dict], read_layers: list[int], max_len: int
     if batch_tokens is None:
         batch_tokens = BATCH_TOKENS_CUDA if target.device.type == "cuda" else 0
     out = TeacherData([], [], [], [], [])
-    todo = []  # (item index, ids, start)
-    for n, it in enumerate(items):
-        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
-        start = len(it["prompt_ids"]) - 1
-        if len(ids) - 1 - start >= min_answer:
-            todo.append((n, ids, start))
+    todo = kept_sequences(items, max_len, min_answer)
     bar = tqdm(total=len(items), desc="teacher pass", unit="seq", disable=not progress)
     i = 0
     while i < len(todo):
@@ -104,12 +111,7 @@ def padded_pass(target, items: list[dict], max_len: int, min_answer: int = 1, ta
 
     hooks = [model.model.layers[n - 1].register_forward_hook(keep(n)) for n in taps]
     hooks.append(model.model.norm.register_forward_hook(keep("final")))
-    todo = []  # (item index, ids, start), as teacher_pass keeps them
-    for n, it in enumerate(items):
-        ids = (list(it["prompt_ids"]) + list(it["response_ids"]))[:max_len]
-        start = len(it["prompt_ids"]) - 1
-        if len(ids) - 1 - start >= min_answer:
-            todo.append((n, ids, start))
+    todo = kept_sequences(items, max_len, min_answer)
     order = sorted(range(len(todo)), key=lambda j: len(todo[j][1]))
     hidden: dict[int, torch.Tensor] = {}
     lower: dict[int, torch.Tensor] = {}
