@@ -14,8 +14,9 @@ over the KV heads, softmax in float32), give a row the same bits whatever else i
 cache lengths 5..1980, 1..64 rows). So a decode step makes that call, and verification in 16-bit dtypes runs the
 leading chain rows of a draft (row i sees exactly new rows 0..i, as a decode step at that position would) through it
 together. A tree branch row's ancestors sit at other cache rows than a decode step would read them; gathered back
-into decode-step order (cached keys, then its ancestors, then itself) they give that row the decode step's bits too,
-for trees with up to EXACT_MAX_BRANCHES leaves past the leading chain (a cascade's Max-Gram branch). The bfloat16
+into decode-step order (cached keys, then its ancestors, then itself) they give that row the decode step's bits too.
+Every branch of a tree is one batch entry of the same call (``_batched_rowwise_attention``; one call per padded key
+count, not one per branch), so every tree shape is verified bit-exactly, at about a chain's cost. The bfloat16
 linear layers are row-invariant too (core.ops.linear runs kernels measured row-invariant), so those rows reproduce plain decoding
 bit for bit and greedy speculation emits the same tokens as plain decoding. An earlier version put each row in its
 own SDPA batch entry, which is row-invariant too but costs a decode row's attention per draft row. Float32 decode
@@ -38,11 +39,6 @@ KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a dec
 # (_rowwise_attention) a chain's rows cost about one decode row's attention together; with one SDPA call per row
 # they cost one each, and a 16-row verify at 300 cached tokens took 134 ms instead of 50 (2-core EPYC, bf16).
 EXACT_MAX_ROWS = 64
-# Tree branches in decode form while a tree has at most this many leaves past its leading chain (a cascade's Max-Gram
-# branch: one per review round). Each leaf costs a key gather and a call per layer: glide-cape's trees (up to 7 one-token
-# leaves) verified that way ran 0.92x plain decoding instead of 1.14x-1.23x, so bigger trees put their branch rows in
-# one multi-row call (close, not bitwise, in 16-bit dtypes).
-EXACT_MAX_BRANCHES = 2
 
 
 def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None,
@@ -57,10 +53,10 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
 
     T, end = num_rows, cache_len + num_rows
     if cache_len == 0 and tree_mask is None:  # prefill: the prompt's rows are causal
-        return _attention([(slice(0, T), end, None, False)], T, causal=True)
+        return _attention([(slice(0, T), end, None, SDPA)], T, causal=True)
     if max_len is None:
         mask = None if T == 1 else tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
-        return _attention([(slice(0, T), end, mask, False)], T)
+        return _attention([(slice(0, T), end, mask, SDPA)], T)
 
     visible = torch.ones(1, end, dtype=torch.bool, device=device) if T == 1 else \
         tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
@@ -72,21 +68,19 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
         chain = visible[:, cache_len:] == torch.ones(T, T, dtype=torch.bool, device=device).tril()  # [T, T]
         n_exact = min(int(chain.all(dim=1).cumprod(0).sum()), EXACT_MAX_ROWS)
 
-    calls = []  # (rows: slice or index tensor, keys: count or index tensor, additive mask, decode form)
-    if n_exact:  # the leading chain: rows 0..n_exact-1 read the keys in place
-        _decode_form_calls(calls, list(range(n_exact)), list(range(n_exact)), cache_len, max_len, dtype, device)
-    paths = _branch_paths(visible[:, cache_len:], n_exact) if n_exact and dtype != torch.float32 else None
-    for rows, path in paths or ():  # tree branches: each row reads its ancestors as a decode step would
-        _decode_form_calls(calls, rows, path, cache_len, max_len, dtype, device)
-    if n_exact < T and paths is None:  # the other rows (big trees, float32): one multi-row call
+    calls = []  # (rows, keys, mask, form): see _attention
+    if n_exact:  # the leading chain reads the keys in place; each further branch reads its path gathered
+        paths = [(list(range(n_exact)), list(range(n_exact)))] + _branch_paths(visible[:, cache_len:], n_exact)
+        _decode_form_calls(calls, paths, cache_len, max_len, device)
+    if n_exact < T and dtype == torch.float32:  # float32 trees: the rows past the chain in one multi-row call
         mask = torch.zeros(T - n_exact, end, dtype=dtype, device=device).masked_fill_(
             ~visible[n_exact:], float("-inf"))  # [rows, end]
-        calls.append((slice(n_exact, T), end, mask, False))
+        calls.append((slice(n_exact, T), end, mask, SDPA))
     return _attention(calls, T)
 
 
-def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[int], list[int]]] | None:
-    """Rows n_exact.. of a tree grouped by root-to-leaf path -> [(rows, path)], or None past EXACT_MAX_BRANCHES.
+def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[int], list[int]]]:
+    """Rows n_exact.. of a tree grouped by root-to-leaf path -> [(rows, path)].
 
     new_visible [T, T]: row i sees new row j. A path lists a leaf's ancestors (itself included) by row; its rows are
     the ones no earlier path took.
@@ -95,11 +89,8 @@ def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[in
     if n_exact >= T:
         return []
     is_leaf = new_visible[n_exact:].sum(0) == 1  # nobody else sees it
-    leaves = [r for r in range(n_exact, T) if is_leaf[r]]
-    if len(leaves) > EXACT_MAX_BRANCHES:
-        return None
     done, out = set(range(n_exact)), []
-    for leaf in leaves:
+    for leaf in (r for r in range(n_exact, T) if is_leaf[r]):
         path = new_visible[leaf].nonzero().flatten().tolist()  # ascending: parents precede children
         rows = [r for r in path if r not in done]
         done.update(rows)
@@ -107,27 +98,47 @@ def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[in
     return out
 
 
-def _decode_form_calls(calls: list, rows: list[int], path: list[int], cache_len: int, max_len: int,
-                       dtype: torch.dtype, device: torch.device) -> None:
-    """Decode-form calls for ``rows`` on the root-to-leaf ``path`` (new-row indices): the row at depth d reads the
-    cached keys, then the path's first d + 1 new rows, at the key positions and padding a decode step at position
-    cache_len + d reads (one call per padded key count; the path's keys are gathered when they are not in place)."""
-    depth = {r: d for d, r in enumerate(path)}
-    in_place = path == list(range(len(path)))
-    mdtype = torch.float32 if dtype != torch.float32 else dtype  # bmm-form rows add the mask to fp32 scores
-    by_e: dict[int, list[int]] = {}
-    for r in rows:
-        by_e.setdefault(min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(r)
-    for e, group in by_e.items():
-        mask = torch.full((len(group), e), float("-inf"), dtype=mdtype, device=device)  # [rows, e]
-        for i, r in enumerate(group):
-            mask[i, :cache_len + depth[r] + 1] = 0.0
-        if in_place:
-            calls.append((slice(group[0], group[-1] + 1), e, mask, True))
+def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], cache_len: int, max_len: int,
+                       device: torch.device) -> None:
+    """Decode-form calls for the ``rows`` of each root-to-leaf ``path`` (new-row indices; the first path is the
+    leading chain, in place): the row at depth d reads the cached keys, then the path's first d + 1 new rows, at
+    the key positions and padding a decode step at position cache_len + d reads.
+
+    Rows are grouped by their padded key count e. A group of the leading chain alone reads the keys in place
+    (IN_PLACE); otherwise every path of the group is one batch entry of a single call (BATCHED): its keys gathered
+    into decode-step order, its rows padded to the group's longest (the padding rows repeat its last row and are
+    dropped), so a tree costs one call per key count rather than one per branch.
+    """
+    by_e: dict[int, list[tuple[list[int], list[int]]]] = {}  # e -> [(rows, depths)], one entry per path
+    for rows, path in paths:
+        depth = {r: d for d, r in enumerate(path)}
+        mine: dict[int, tuple[list[int], list[int]]] = {}
+        for r in rows:
+            e = min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
+            entry = mine.setdefault(e, ([], []))
+            entry[0].append(r)
+            entry[1].append(depth[r])
+        for e, entry in mine.items():
+            by_e.setdefault(e, []).append((entry, path))
+    for e, entries in by_e.items():
+        n = max(len(rows) for (rows, _), _ in entries)
+        mask = torch.full((len(entries), n, e), float("-inf"), dtype=torch.float32, device=device)  # [B, n, e]
+        for b, ((rows, depths), _) in enumerate(entries):
+            for i in range(n):
+                mask[b, i, :cache_len + depths[min(i, len(rows) - 1)] + 1] = 0.0
+        (rows, _), path = entries[0]
+        if len(entries) == 1 and path == list(range(len(path))):  # in place: the leading chain
+            calls.append((slice(rows[0], rows[-1] + 1), e, mask[0], IN_PLACE))
             continue
-        keys = list(range(cache_len)) + [cache_len + p for p in path]
-        keys = (keys + list(range(len(keys), e)))[:e]  # padding: any rows of the slot, masked out
-        calls.append((torch.tensor(group, device=device), torch.tensor(keys, device=device), mask, True))
+        row_index = torch.tensor([rows + rows[-1:] * (n - len(rows)) for (rows, _), _ in entries], device=device)
+        keys = []
+        for _, path in entries:
+            ks = list(range(cache_len)) + [cache_len + p for p in path]
+            keys.append((ks + list(range(len(ks), e)))[:e])  # padding: any rows of the slot, masked out
+        real = torch.tensor([b * n + i for b, ((rows, _), _) in enumerate(entries) for i in range(len(rows))],
+                            device=device)
+        dest = torch.tensor([r for (rows, _), _ in entries for r in rows], device=device)
+        calls.append(((row_index, real, dest), torch.tensor(keys, device=device), mask, BATCHED))
 
 
 def _rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -148,21 +159,59 @@ def _rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return torch.bmm(p, v).view(Hkv, n, g, D).permute(1, 0, 2, 3).reshape(n, H, D)
 
 
+def _batched_rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``_rowwise_attention`` for B paths in one call: q [B, n, H, D], k/v [B, H_kv, e, D] (each path's own keys),
+    mask [B, n, e] -> [B, n, H, D]. Each (path, KV head) is one entry of the batched matmuls, a row's bits the ones
+    it would get alone."""
+    B, n, H, D = q.shape
+    Hkv, e = k.shape[1], k.shape[2]
+    g = H // Hkv
+    qg = q.view(B, n, Hkv, g, D).permute(0, 2, 1, 3, 4).reshape(B * Hkv, n * g, D)
+    s = torch.bmm(qg, k.view(B * Hkv, e, D).transpose(1, 2)).float().mul_(1.0 / math.sqrt(D)).view(B, Hkv, n, g, e)
+    p = torch.softmax(s.add_(mask[:, None, :, None, :]), dim=-1).to(q.dtype).view(B * Hkv, n * g, e)
+    o = torch.bmm(p, v.view(B * Hkv, e, D)).view(B, Hkv, n, g, D)
+    return o.permute(0, 2, 1, 3, 4).reshape(B, n, H, D)
+
+
+SDPA, IN_PLACE, BATCHED = "sdpa", "in place", "batched"  # the forms of an attention call (_attention)
+
+
 def _attention(calls: list, T: int, causal: bool = False):
+    """The attention of one forward from its calls (rows, keys, mask, form):
+
+    - SDPA: rows (a slice) over keys 0..keys-1 in place, additive or bool ``mask`` [rows, keys] (or None);
+    - IN_PLACE: decode-form rows (a slice) over keys 0..keys-1 in place, additive fp32 ``mask`` [rows, keys]
+      (16-bit dtypes: ``_rowwise_attention``; float32: SDPA per row, a decode step's call);
+    - BATCHED: 16-bit decode-form paths, rows = (row index [B, n], real entries [m] of the flattened [B * n],
+      their rows of the output [m]), keys = key index [B, e] into the slot, mask [B, n, e].
+    """
+    flat_keys: dict = {}  # BATCHED: the [B, e] key index as flat rows of the [H_kv * S, D] cache, per call
+
     def attention(q, k_cache, v_cache, cache_len_, tree_mask_):
         # q: [T, H, D]; k_cache, v_cache: [H_kv, S, D] -> [T, H, D]
         outs = []
-        for rows, keys, mask, one_row in calls:
+        for i, (rows, keys, mask, form) in enumerate(calls):
+            if form == BATCHED:
+                row_index, real, _ = rows
+                Hkv, S, D = k_cache.shape
+                idx = flat_keys.get(i)
+                if idx is None:  # (path, head, key) order: each path's heads' keys contiguous
+                    heads = torch.arange(Hkv, device=keys.device)[None, :, None] * S
+                    idx = flat_keys[i] = (heads + keys[:, None, :]).reshape(-1)
+                B, e = keys.shape
+                kc = k_cache.reshape(Hkv * S, D).index_select(0, idx).view(B, Hkv, e, D)
+                vc = v_cache.reshape(Hkv * S, D).index_select(0, idx).view(B, Hkv, e, D)
+                qr = q.index_select(0, row_index.reshape(-1)).view(*row_index.shape, *q.shape[1:])
+                o = _batched_rowwise_attention(qr, kc, vc, mask)
+                outs.append(o.view(-1, *q.shape[1:]).index_select(0, real))
+                continue
             qr = q if len(calls) == 1 else q[rows]
-            if isinstance(keys, int):
-                kc, vc = k_cache[:, :keys], v_cache[:, :keys]
-            else:  # a tree branch's keys, gathered into decode-step order
-                kc, vc = k_cache.index_select(1, keys), v_cache.index_select(1, keys)
-            if one_row and q.dtype != torch.float32:
+            kc, vc = k_cache[:, :keys], v_cache[:, :keys]
+            if form == IN_PLACE and q.dtype != torch.float32:
                 outs.append(_rowwise_attention(qr, kc, vc, mask))
                 continue
             k, v = kc[None], vc[None]  # [1, H_kv, e, D]
-            if one_row:  # float32 decode step: queries [1, H, 1, D], mask [1, 1, 1, e]
+            if form == IN_PLACE:  # float32 decode step: queries [1, H, 1, D], mask [1, 1, 1, e]
                 out = F.scaled_dot_product_attention(qr.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                                      enable_gqa=True)
                 outs.append(out.squeeze(2))
@@ -170,11 +219,11 @@ def _attention(calls: list, T: int, causal: bool = False):
                 out = F.scaled_dot_product_attention(qr.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                                      is_causal=causal, enable_gqa=True)  # [1, H, rows, D]
                 outs.append(out[0].transpose(0, 1))
-        if len(outs) == 1:
+        if len(outs) == 1 and calls[0][3] != BATCHED:
             return outs[0]
         out = q.new_empty(q.shape)
-        for (rows, *_), o in zip(calls, outs):
-            out[rows] = o
+        for (rows, _, _, form), o in zip(calls, outs):
+            out[rows[2] if form == BATCHED else rows] = o
         return out
 
     return attention
