@@ -116,12 +116,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
-def _mv_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _mv_mm(x: torch.Tensor, w: torch.Tensor, any_layout: bool = False) -> torch.Tensor:
     T = x.shape[0]
     if T == 1:
         return torch.mv(w, x[0]).unsqueeze(0)
-    if T <= MAX_TUNED_ROWS:
-        return torch.mm(w, x.t()).t().contiguous()  # contiguous: later ops' bits depend on the layout
+    if T <= MAX_TUNED_ROWS:  # x as the row-invariance measurement ran it (contiguous: a no-op unless it is not)
+        y = torch.mm(w, x.contiguous().t()).t()
+        return y if any_layout else y.contiguous()  # contiguous: later ops' bits depend on the layout
     return F.linear(x, w)
 
 
@@ -151,15 +152,21 @@ def use_linear_kernel(key: tuple, name: str) -> None:
     _chosen[key] = name
 
 
-def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight") -> torch.Tensor:
+def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight",
+           any_layout: bool = False) -> torch.Tensor:
     """x [T, in] @ weight[out, in].T -> [T, out].
 
     A weight-only quantized matrix runs its packed kernel; a dense one the kernel chosen for its shape and dtype
-    (``measure_linear_kernels``), else ``default_linear_kernel``.
+    (``measure_linear_kernels``), else ``default_linear_kernel``. ``any_layout``: the caller only reads the result
+    elementwise (a residual add, SwiGLU), whose bits do not depend on the layout, so ``weight @ x.T`` may hand it
+    over transposed instead of paying a copy into rows (1-2% of a 3-row bfloat16 verify on a 2-core Xeon with AMX,
+    most of it the gate/up output's).
     """
     if not isinstance(weight, torch.Tensor):  # a weight-only quantized matrix (Int8Weight, Int4Weight)
         return weight.matmul(x)
     name = _chosen.get(linear_key(weight)) or default_linear_kernel(weight)
+    if name == "mv+mm":
+        return _mv_mm(x, weight, any_layout)
     return LINEAR_KERNELS[name](x, weight)
 
 

@@ -112,9 +112,10 @@ class Block(nn.Module):
             x = self.wo.weight.fused(o.reshape(T, -1), residual=x)
             gate_up = self.w_gate_up.weight.fused(x, self.mlp_norm, a.rms_norm_eps)
             return self.w_down.weight.fused(gate_up, swiglu=True, residual=x)
-        x = x + linear(o.reshape(T, -1), self.wo.weight)
-        gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w_down.weight)
+        x = x + linear(o.reshape(T, -1), self.wo.weight, any_layout=True)  # the sum takes x's (row) layout
+        gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight,
+                          any_layout=True).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.w_down.weight, any_layout=True)
 
 
 _CPU_DECODERS: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()  # (start, end) -> decoder

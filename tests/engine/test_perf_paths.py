@@ -60,6 +60,24 @@ def test_linear_paths_compute_x_wt(dtype, rows):
     assert (out.double() - ref).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_any_layout_linear_gives_the_same_bits(rows, monkeypatch):
+    """``any_layout``: the same values, bit for bit, handed over transposed in memory where mv+mm skips its copy
+    into rows (2..64 rows); a transposed input (SwiGLU of such an output) gives the bits of a contiguous one."""
+    monkeypatch.setattr(ops, "_chosen", dict(ops._chosen))
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 80, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 80, generator=g).to(torch.bfloat16)
+    ops.use_linear_kernel(ops.linear_key(w), "mv+mm")
+    want = linear(x, w)
+    free = linear(x, w, any_layout=True)
+    assert want.is_contiguous() and torch.equal(free, want)
+    assert free.is_contiguous() == (rows == 1)
+    transposed = x.t().contiguous().t()  # x's values, column-major
+    assert not transposed.is_contiguous() or rows == 1
+    assert torch.equal(linear(transposed, w), want)
+
+
 @needs_row_invariance
 def test_bf16_linear_rows_are_row_count_invariant(monkeypatch):
     """At each of the model's bfloat16 shapes, ``linear`` with the kernel the engine's measurement picks
