@@ -16,7 +16,7 @@ leading chain rows of a draft (row i sees exactly new rows 0..i, as a decode ste
 together. A tree branch row's ancestors sit at other cache rows than a decode step would read them; gathered back
 into decode-step order (cached keys, then its ancestors, then itself) they give that row the decode step's bits too.
 Every branch of a tree is one batch entry of the same call (``_batched_rowwise_attention``; one call per padded key
-count, not one per branch), so every tree shape is verified bit-exactly, at about a chain's cost. The bfloat16
+count, not one per branch), so every tree shape is verified bit-exactly. The bfloat16
 linear layers are row-invariant too (core.ops.linear runs kernels measured row-invariant), so those rows reproduce plain decoding
 bit for bit and greedy speculation emits the same tokens as plain decoding. An earlier version put each row in its
 own SDPA batch entry, which is row-invariant too but costs a decode row's attention per draft row. Float32 decode
