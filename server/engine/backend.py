@@ -109,35 +109,32 @@ def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], ca
     into decode-step order, its rows padded to the group's longest (the padding rows repeat its last row and are
     dropped), so a tree costs one call per key count rather than one per branch.
     """
-    by_e: dict[int, list[tuple[list[int], list[int]]]] = {}  # e -> [(rows, depths)], one entry per path
+    by_e: dict[int, list[tuple[list[int], list[int], list[int]]]] = {}  # e -> [(rows, their depths, path)]
     for rows, path in paths:
         depth = {r: d for d, r in enumerate(path)}
-        mine: dict[int, tuple[list[int], list[int]]] = {}
+        mine: dict[int, list[int]] = {}
         for r in rows:
-            e = min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)
-            entry = mine.setdefault(e, ([], []))
-            entry[0].append(r)
-            entry[1].append(depth[r])
-        for e, entry in mine.items():
-            by_e.setdefault(e, []).append((entry, path))
+            mine.setdefault(min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(r)
+        for e, group in mine.items():
+            by_e.setdefault(e, []).append((group, [depth[r] for r in group], path))
     for e, entries in by_e.items():
-        n = max(len(rows) for (rows, _), _ in entries)
+        n = max(len(rows) for rows, _, _ in entries)
         mask = torch.full((len(entries), n, e), float("-inf"), dtype=torch.float32, device=device)  # [B, n, e]
-        for b, ((rows, depths), _) in enumerate(entries):
+        for b, (rows, depths, _) in enumerate(entries):
             for i in range(n):
                 mask[b, i, :cache_len + depths[min(i, len(rows) - 1)] + 1] = 0.0
-        (rows, _), path = entries[0]
+        rows, _, path = entries[0]
         if len(entries) == 1 and path == list(range(len(path))):  # in place: the leading chain
             calls.append((slice(rows[0], rows[-1] + 1), e, mask[0], IN_PLACE))
             continue
-        row_index = torch.tensor([rows + rows[-1:] * (n - len(rows)) for (rows, _), _ in entries], device=device)
+        row_index = torch.tensor([rows + rows[-1:] * (n - len(rows)) for rows, _, _ in entries], device=device)
         keys = []
-        for _, path in entries:
+        for _, _, path in entries:
             ks = list(range(cache_len)) + [cache_len + p for p in path]
             keys.append((ks + list(range(len(ks), e)))[:e])  # padding: any rows of the slot, masked out
-        real = torch.tensor([b * n + i for b, ((rows, _), _) in enumerate(entries) for i in range(len(rows))],
+        real = torch.tensor([b * n + i for b, (rows, _, _) in enumerate(entries) for i in range(len(rows))],
                             device=device)
-        dest = torch.tensor([r for (rows, _), _ in entries for r in rows], device=device)
+        dest = torch.tensor([r for rows, _, _ in entries for r in rows], device=device)
         calls.append(((row_index, real, dest), torch.tensor(keys, device=device), mask, BATCHED))
 
 
