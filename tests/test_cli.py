@@ -106,7 +106,9 @@ def test_train_falcon_refuses_two_objectives(capsys):
 
 @pytest.mark.parametrize("argv,says", [(["--seconds", "0"], "--seconds: a positive wall time"),
                                        (["--seconds", "-5"], "--seconds: a positive wall time"),
-                                       (["--save-every", "0"], "--save-every: at least 1 step")])
+                                       (["--save-every", "0"], "--save-every: at least 1 step"),
+                                       (["--source-tokens", "synth"], "--source-tokens: SOURCE=N"),
+                                       (["--source-tokens", "synth=0"], "--source-tokens: SOURCE=N")])
 def test_train_falcon_checks_its_time_budget_and_evaluation_interval(argv, says, capsys):
     assert main(["train", "falcon", *argv]) == 2
     assert says in capsys.readouterr().err
@@ -117,6 +119,14 @@ def test_train_data_checks_the_targets_it_reuses_before_loading_one(reuse, capsy
     assert main(["train", "data", "--reuse", reuse, "--config", "missing.yaml"]) == 2
     err = capsys.readouterr().err
     assert "--reuse" in err and "dtype/quantization" in err
+
+
+@pytest.mark.parametrize("argv,says", [(["--set", "Bad Name", "--prompts", "p.jsonl"], "--set: a name"),
+                                       (["--set", "people", "--data", "x.pt"], "not with --data"),
+                                       (["--set", "people", "--prompts", "a.jsonl,b.jsonl"], "one JSONL file")])
+def test_train_data_checks_its_answer_set_before_loading_a_target(argv, says, capsys):
+    assert main(["train", "data", *argv, "--config", "missing.yaml"]) == 2
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--source-weight", "chat"], ["--source-weight", "chat=0"],

@@ -44,6 +44,15 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
                               w_reg=a.w_reg, ttt=a.training_time_test, pack_rows=a.pack_rows, seconds=a.seconds,
                               save_every=a.save_every)
+    caps = []
+    for part in (a.source_tokens or "").split(","):
+        if not part.strip():
+            continue
+        src, _, n = part.partition("=")
+        if not src.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise ConfigError(f"--source-tokens: SOURCE=N pairs with N >= 1 answer tokens, got {part!r}")
+        caps.append((src.strip(), int(n)))
+    opts.source_tokens = tuple(caps)
     if a.seconds is not None and a.seconds <= 0:
         raise ConfigError(f"--seconds: a positive wall time, got {a.seconds:g}")
     if a.save_every < 1:
@@ -152,7 +161,8 @@ def cmd_train_data(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from server.engine import load_target
-    from training.common import answers_path, synth_dir
+    from server.tokenization import read_prompts
+    from training.common import SET_NAME, answer_set_path, answers_path, synth_dir
     from training.data import AnswerSettings, answer_records, parse_target, prompt_records
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),
@@ -163,15 +173,32 @@ def cmd_train_data(a: argparse.Namespace) -> int:
             parse_target(name)
         except ValueError as e:
             raise ConfigError(f"--reuse: {e}") from None
+    if a.set is not None and (a.data or not SET_NAME.fullmatch(a.set)):
+        raise ConfigError("--set: a name of 1-40 lower-case letters, digits, '-' or '_' (its answers have their own "
+                          f"file: not with --data), got {a.set!r}")
+    if a.set is not None and a.prompts and "," in a.prompts:
+        raise ConfigError("--set: one JSONL file of prompts in --prompts")
     cfg = config_from_args(a)
     target = load_target(cfg)
     if not a.data:
         from training import corpus
 
         corpus.restore(cfg, target.model_id, log=log_stderr)
-    records = prompt_records(a.prompts, synth_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
+    if a.set:
+        # A set of its own: its prompts are numbered from 0 and kept beside its answers (the corpus keeps them too), so
+        # a later run extends it from the same list, whatever the main set does meanwhile.
+        path = answer_set_path(cfg, target.model_id, a.set)
+        kept = path.with_suffix(".jsonl")
+        if not a.prompts and not kept.exists():
+            raise ConfigError(f"--set {a.set}: no such answer set yet; its first run names its prompts (--prompts)")
+        records = [dict(r, source=r.get("source", a.set)) for r in read_prompts(a.prompts or kept)]
+        if a.prompts:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    else:
+        records = prompt_records(a.prompts, synth_dir(cfg, target.model_id) / "train.jsonl", log_stderr)
+        path = Path(a.data) if a.data else answers_path(cfg, target.model_id)
     records = records[:a.limit] if a.limit else records
-    path = Path(a.data) if a.data else answers_path(cfg, target.model_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = answer_records(cfg, target, records, path, settings, batch=a.gen_batch, step_tokens=a.step_tokens,
                           log=log_stderr, command=_replay_command(a), reuse=reuse)
@@ -248,6 +275,10 @@ def add_commands(sub) -> None:
     td.add_argument("--prompts", default=None, help="comma-separated prompt sources: `project` (training/"
                     "prompts.py), `synth` (what `train prompts` wrote) or JSONL files (default: project, plus synth "
                     "when it exists)")
+    td.add_argument("--set", default=None, metavar="NAME",
+                    help="answer a prompt source as a set of its own (prompts numbered from 0, shards and corpus "
+                    "folder apart; the trainers read every complete set after the main one): --prompts names its "
+                    "JSONL file the first time, later runs extend it from the prompts it kept")
     td.add_argument("--temperatures", default="0.7,1.0", help="comma-separated temperatures of the sampled answers")
     td.add_argument("--sampled-share", type=float, default=0.25,
                     help="share of prompts answered by sampling at one of --temperatures (the rest greedy)")
@@ -310,6 +341,10 @@ def add_commands(sub) -> None:
                     help="rows per training forward: a step's sequences are packed into forwards of at most N rows, "
                     "each sequence seeing its own (default: 16384 on CUDA, where one short sequence per forward "
                     "leaves the GPU idle; 0 = one sequence per forward, the default elsewhere)")
+    tf.add_argument("--source-tokens", default="", metavar="SOURCE=N[,...]",
+                    help="cut each named prompt source's answers to a seeded subset of about N answer tokens, held-out "
+                    "ones alike (sources: chat, humaneval, synth, people, ...): a short teacher pass on a CPU, and "
+                    "more weight for the sources left whole")
     tf.add_argument("--glance", type=float, default=0.4, help="glancing ratio lambda at the first step (decays to 0)")
     tf.add_argument("--w-dist", type=float, default=1.0, help="weight of the distillation loss (KL + CE) against "
                     "the feature regression (the paper: 0.1)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,24 @@ def answers_path(cfg, model_id: str) -> Path:
     return work_dir(cfg, model_id) / "responses.pt"
 
 
+SET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
+
+
+def answer_set_path(cfg, model_id: str, name: str) -> Path:
+    """Where ``train data --set NAME`` writes the answers to a prompt source of its own: its prompts are numbered from
+    0 and sharded apart from the main set's, so neither set's growth moves the other's shards."""
+    if not SET_NAME.fullmatch(name):
+        raise ValueError(f"an answer set's name is 1-40 lower-case letters, digits, '-' or '_', got {name!r}")
+    return work_dir(cfg, model_id) / "responses.sets" / f"{name}.pt"
+
+
+def answer_set_names(cfg, model_id: str) -> list[str]:
+    """The answer sets the work directory holds, complete (a merged ``NAME.pt``) or not (shards only), by name."""
+    found = (p.name.removesuffix(".shards").removesuffix(".pt")
+             for p in (work_dir(cfg, model_id) / "responses.sets").glob("*") if p.suffix in (".pt", ".shards"))
+    return sorted({n for n in found if SET_NAME.fullmatch(n)})
+
+
 def synth_dir(cfg, model_id: str) -> Path:
     """Where ``train prompts`` writes the synthesized prompts of a target."""
     return work_dir(cfg, model_id) / "synth"
@@ -66,6 +85,23 @@ def data_sources(items: list[dict]) -> dict[str, int]:
     """Answers per prompt source (`chat`, `humaneval`, `synth`, ...), the target's turns inside synthesized
     conversations counted apart: what a checkpoint's card says it learned from."""
     return dict(sorted(Counter(i.get("source", "") + ("-conversation" if "turn" in i else "") for i in items).items()))
+
+
+def cap_sources(items: list[dict], caps: dict[str, int], seed: int) -> list[dict]:
+    """``items`` with each source named in ``caps`` cut to a seeded subset of about that many answer tokens (held-out
+    and trained alike, so a teacher pass reads only what trains or validates), the others whole; in their order."""
+    if not caps:
+        return items
+    keep, used = set(), Counter()
+    for n in sorted(range(len(items)), key=lambda n: stable_int(seed, "cap", items[n]["prompt_ids"],
+                                                                 items[n]["response_ids"][:8])):
+        src = str(items[n].get("source", ""))
+        if src not in caps:
+            keep.add(n)
+        elif used[src] < caps[src]:
+            keep.add(n)
+            used[src] += len(items[n]["response_ids"])
+    return [it for n, it in enumerate(items) if n in keep]
 
 
 def seeded_split(n: int, val_fraction: float, rng: random.Random) -> tuple[list[int], list[int]]:

@@ -9,6 +9,8 @@ directory (``<cache>/train/<target id>/``, training/common.py):
     answers/answers-NNNNN.npz                  the target's answers: token ids as uint16, one file per shard
     answers/conversations.npz                  answers taken from synthesized conversations (no generation)
     answers/data.json, answers/card.json       the merged answers file's header, and its data card
+    sets/NAME/                                 an answer set of a prompt source of its own (``train data --set``):
+                                               its prompts (prompts.jsonl.xz) and the same answer files as answers/
 
 ``restore`` copies what the work directory lacks out of the corpus before a run (a shard is then reused only when its
 key still matches, as any cached shard) and, where the corpus holds a complete answers set, writes the merged answers
@@ -26,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.common import answers_path, synth_dir
+from training.common import SET_NAME, answer_set_names, answer_set_path, answers_path, synth_dir
 from training.data import _save_atomic, shard_dir
 
 CORPUS_ROOT = Path(__file__).resolve().parent / "corpus"
@@ -123,31 +125,46 @@ def restore(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str
         if not dst.exists():
             _write_bytes(dst, lzma.decompress(packed.read_bytes()))
             counts["synth_shards"] += 1
-    adir = shard_dir(answers_path(cfg, model_id))
-    for packed in sorted((src / "answers").glob("answers-*.npz")):
-        dst = adir / (packed.stem + ".pt")
-        if not dst.exists():
-            adir.mkdir(parents=True, exist_ok=True)
-            _save_atomic(_load_packed(packed), dst)
-            counts["answer_shards"] += 1
-    adata = src / "answers" / "data.json"
-    out = answers_path(cfg, model_id)
-    if adata.is_file() and not out.exists():
-        head = json.loads(adata.read_text())
-        shards = [src / "answers" / f"answers-{k:05d}.npz" for k in range(head.pop("shards"))]
-        if all(p.exists() for p in shards):
-            items = [it for p in shards for it in _load_packed(p)["items"]
-                     if it["finish_reason"] != "refused" and it["response_ids"]]
-            if (src / "answers" / "conversations.npz").is_file():
-                items += _load_packed(src / "answers" / "conversations.npz")["items"]
-            _save_atomic({**head, "items": items}, out)
-            if (src / "answers" / "card.json").is_file():
-                _write_bytes(out.with_suffix(".card.json"), (src / "answers" / "card.json").read_bytes())
-            counts["answers_file"] = 1
+    counts["answer_shards"], counts["answers_file"] = _restore_answers(src / "answers", answers_path(cfg, model_id))
+    for sub in sorted(p for p in (src / "sets").glob("*") if p.is_dir() and SET_NAME.fullmatch(p.name)):
+        path = answer_set_path(cfg, model_id, sub.name)
+        prompts = sub / "prompts.jsonl.xz"
+        if prompts.is_file() and not path.with_suffix(".jsonl").exists():
+            _write_bytes(path.with_suffix(".jsonl"), lzma.decompress(prompts.read_bytes()))
+        shards, merged = _restore_answers(sub, path)
+        counts["answer_shards"] += shards
+        counts["answers_file"] += merged
     if any(counts.values()):
         log(f"restored from the repository's corpus {src}: {counts['synth_shards']} prompt shards, "
             f"{counts['synth_files']} prompt files, {counts['answer_shards']} answer shards")
     return counts
+
+
+def _restore_answers(src: Path, out: Path) -> tuple[int, int]:
+    """One answer set's corpus folder (``answers/`` or ``sets/NAME/``) into the work directory's shards of ``out``,
+    and ``out`` itself where the folder holds a complete set: (shards copied, merged files written)."""
+    adir, copied, merged = shard_dir(out), 0, 0
+    for packed in sorted(src.glob("answers-*.npz")):
+        dst = adir / (packed.stem + ".pt")
+        if not dst.exists():
+            adir.mkdir(parents=True, exist_ok=True)
+            _save_atomic(_load_packed(packed), dst)
+            copied += 1
+    adata = src / "data.json"
+    if adata.is_file() and not out.exists():
+        head = json.loads(adata.read_text())
+        shards = [src / f"answers-{k:05d}.npz" for k in range(head.pop("shards"))]
+        if all(p.exists() for p in shards):
+            items = [it for p in shards for it in _load_packed(p)["items"]
+                     if it["finish_reason"] != "refused" and it["response_ids"]]
+            if (src / "conversations.npz").is_file():
+                items += _load_packed(src / "conversations.npz")["items"]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _save_atomic({**head, "items": items}, out)
+            if (src / "card.json").is_file():
+                _write_bytes(out.with_suffix(".card.json"), (src / "card.json").read_bytes())
+            merged = 1
+    return copied, merged
 
 
 # -- save: work directory -> corpus -----------------------------------------------------------------------------------
@@ -177,36 +194,50 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
             if not packed.exists():
                 _write_bytes(packed, lzma.compress(raw.read_bytes(), preset=9))
                 counts["synth_shards"] += 1
-    adir = shard_dir(answers_path(cfg, model_id))
+    counts["answer_shards"] += _save_answers(answers_path(cfg, model_id), dst / "answers")
+    for name in answer_set_names(cfg, model_id):
+        path = answer_set_path(cfg, model_id, name)
+        if path.with_suffix(".jsonl").is_file():
+            prompts = path.with_suffix(".jsonl").read_bytes()
+            packed = dst / "sets" / name / "prompts.jsonl.xz"
+            if not packed.exists() or lzma.decompress(packed.read_bytes()) != prompts:
+                _write_bytes(packed, lzma.compress(prompts, preset=9))
+        counts["answer_shards"] += _save_answers(path, dst / "sets" / name)
+    log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
+        f"{counts['answer_shards']} answer shards")
+    return counts
+
+
+def _save_answers(merged: Path, dst: Path) -> int:
+    """One answer set's work-directory shards (those of ``merged``) into the corpus folder ``dst``, with the merged
+    file's header, conversation answers and card when it is complete. Returns the shards written."""
+    adir, written = shard_dir(merged), 0
     first_index = []  # of each shard's first item: which shards a merged file of the first N prompts covers
     for path in sorted(adir.glob("answers-*.pt")):
         shard = torch.load(path, weights_only=True)
         first_index.append(shard["items"][0]["index"] if shard["items"] else float("inf"))
-        out = dst / "answers" / (path.stem + ".npz")
+        out = dst / (path.stem + ".npz")
         if out.exists():
             with np.load(out) as old:
                 if bytes(old["key"]).decode() == shard["key"]:
                     continue
         _save_npz(out, pack_answers(shard))
-        counts["answer_shards"] += 1
-    merged = answers_path(cfg, model_id)
+        written += 1
     if merged.is_file():  # a complete ``train data``: its header, the conversation answers and the card
         data = torch.load(merged, weights_only=True)
         # the shards the merged file covers: a later, unfinished ``train data`` may have added more after them
         shards = sum(1 for i in first_index if i < data.get("records", float("inf")))
         if data.get("complete") and shards:
             head = {k: v for k, v in data.items() if k != "items"} | {"shards": shards}
-            _write_if_changed(dst / "answers" / "data.json", (json.dumps(head, indent=1) + "\n").encode())
+            _write_if_changed(dst / "data.json", (json.dumps(head, indent=1) + "\n").encode())
             conv = {"key": "conversations", "items": [it for it in data["items"] if "turn" in it], "seconds": 0.0}
-            path = dst / "answers" / "conversations.npz"
+            path = dst / "conversations.npz"
             if not path.is_file() or _load_packed(path) != conv:
                 _save_npz(path, pack_answers(conv))
             card = merged.with_suffix(".card.json")
             if card.is_file():
-                _write_if_changed(dst / "answers" / "card.json", card.read_bytes())
-    log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
-        f"{counts['answer_shards']} answer shards")
-    return counts
+                _write_if_changed(dst / "card.json", card.read_bytes())
+    return written
 
 
 def _write_if_changed(path: Path, data: bytes) -> bool:

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
-from training.common import answers_path, stable_int, stable_unit, synth_dir
+from training.common import answer_set_names, answer_set_path, answers_path, stable_int, stable_unit, synth_dir
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
@@ -528,7 +528,8 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
                 progress: bool = True, log=print) -> tuple[Path, list[dict]]:
     """The self-distilled answers: a complete file written by ``specserve train data`` is used as it is; otherwise
     the default prompts (project prompts, plus the synthesized ones when ``train prompts`` ran) are answered with the
-    batched engine (resumable; training/data.py)."""
+    batched engine (resumable; training/data.py). Without ``data_path`` the answers of every complete answer set
+    (``train data --set``) follow the main set's."""
     if not data_path:  # the answers the repository keeps (training/corpus.py), where this cache lacks them
         from training import corpus
 
@@ -546,5 +547,13 @@ def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_
                                   batch=batch_size, progress=progress, log=log)
     if data["model_id"] != target.model_id:
         raise ValueError(f"{path} holds answers of {data['model_id']!r}, not of the target {target.model_id!r}")
-    items = data["items"][:limit] if limit else data["items"]
+    items = list(data["items"])
+    if not data_path:  # the default data: the main set, then every complete set of a prompt source of its own
+        for name in answer_set_names(cfg, target.model_id):
+            set_path = answer_set_path(cfg, target.model_id, name)
+            extra = load_responses(set_path) if set_path.exists() else {}
+            if extra.get("complete") and extra["model_id"] == target.model_id:
+                log(f"+ answer set {name!r}: {len(extra['items'])} answers")
+                items += extra["items"]
+    items = items[:limit] if limit else items
     return path, items

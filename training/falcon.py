@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids, relaxed_mask
-from training.common import (TrainerOptions, answers_digest, held_out, lr_at, make_optimizer, prepare_run, resume,
-                             save_state, seeded_split, source_group, start_from)
+from training.common import (TrainerOptions, answers_digest, cap_sources, data_sources, held_out, lr_at,
+                             make_optimizer, prepare_run, resume, save_state, seeded_split, source_group, start_from)
 from training.teacher import padded_pass, teacher_pass
 
 
@@ -70,6 +70,7 @@ class FalconTrainOptions(TrainerOptions):
     ttt: bool = False              # training-time test: the predicted stream reads true tokens, predicted features
     pack_rows: int | None = None   # rows per training forward, sequences packed (None: 16384 on CUDA, else 0 = one)
     seconds: float | None = None   # train for this wall time: ``steps`` is set from the first steps' pace
+    source_tokens: tuple[tuple[str, int], ...] = ()  # (source, n): that source's answers cut to about n tokens
 
 
 @dataclass
@@ -482,6 +483,10 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
     run = prepare_run(cfg, opts.seed, data_path, max_new_tokens, gen_batch, limit, vocab_subset, text_tokens,
                       progress, log)
     target, items, text_items, vocab_ids, wd = run.target, run.items, run.text_items, run.vocab_ids, run.work
+    if opts.source_tokens:
+        items = cap_sources(items, dict(opts.source_tokens), opts.seed)
+        log(f"{len(items)} sequences after --source-tokens, {sum(len(i['response_ids']) for i in items)} answer "
+            f"tokens: {data_sources(items)}")
     out = Path(out) if out else default_checkpoint(target.model_id)
     started = None
     if init:
@@ -511,7 +516,7 @@ def run_train_falcon(cfg, out: Path | None = None, data_path: Path | None = None
         "target": target.model_id, "drafter": "falcon",
         "architecture": {key: v for key, v in model.c.__dict__.items() if key != "extra"},
         "data": {"file": run.data_file.name, "sequences": len(items),
-                 "answer_tokens": sum(len(i["response_ids"]) for i in items),
+                 "answer_tokens": sum(len(i["response_ids"]) for i in items), "prompts": data_sources(items),
                  "shipped_text_sequences": len(text_items)},
         "training": {**opts.__dict__, **{key: v for key, v in summary.items() if key != "history"},
                      "init": started},

@@ -155,3 +155,54 @@ def test_a_run_on_another_target_answers_only_the_prompts_the_reused_shards_lack
     assert both["targets"] == {"float32/none": len(old), "float32/int4": len(generated) - len(old)}
     assert sorted(it["index"] for it in generated) == list(range(len(records)))
     assert json.loads(out.with_suffix(".card.json").read_text())["targets"] == both["targets"]
+
+
+def test_an_answer_set_of_its_own_is_saved_restored_and_read_after_the_main_set(first, fp32_config, target32,
+                                                                               tmp_path, monkeypatch):
+    """``train data --set NAME``: a prompt source answered apart from the main set (its prompts numbered from 0, its
+    shards in a folder of their own), kept in the corpus with its prompts, and read by the trainers after the main
+    set's answers."""
+    from training.common import answer_set_names, answer_set_path
+    from training.data import ensure_data
+
+    cfg, data = first
+    records = [{"messages": [{"role": "user", "content": q}], "source": "people"}
+               for q in ("Why is the sky blue?", "Give me a tip for sleeping better.", "What is a verb?")]
+    path = answer_set_path(cfg, target32.model_id, "people")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    extra = answer_records(cfg, target32, records, path, ANSWERS, batch=3, **QUIET)
+    assert extra["complete"] and sorted(it["index"] for it in extra["items"]) == [0, 1, 2]
+    assert answer_set_names(cfg, target32.model_id) == ["people"]
+    root = tmp_path / "corpus"
+    corpus.save(cfg, target32.model_id, root=root, log=lambda m: None)
+    kept = root / target32.model_id / "sets" / "people"
+    assert (kept / "answers-00000.npz").is_file() and (kept / "data.json").is_file()
+    monkeypatch.setattr(corpus, "CORPUS_ROOT", root)
+    fresh = in_cache(fp32_config, tmp_path / "cache-two")
+    _, items = ensure_data(fresh, target32, None, 8, 3, None, **QUIET)
+    assert items == data["items"] + extra["items"]
+    assert answer_set_path(fresh, target32.model_id, "people").with_suffix(".jsonl").read_text() == \
+        path.with_suffix(".jsonl").read_text()
+    # An explicit answers file is read alone.
+    _, alone = ensure_data(fresh, target32, answers_path(fresh, target32.model_id), 8, 3, None, **QUIET)
+    assert alone == data["items"]
+
+
+def test_prompts_written_by_people_are_tidied_deduplicated_kept_off_the_benchmarks_and_shuffled():
+    from training.people import people_records
+    from training.synth import BenchmarkGuard
+
+    guard = BenchmarkGuard(["Explain what a hash map is and when to use one."])
+    pairs = [("a", "why  is the sky blue"), ("b", "Why is the sky blue?"), ("a", "   "),
+             ("b", "explain what a hash map is and when to use one"), ("a", "how do I boil an egg"),
+             ("b", "Write a haiku about rain.")]
+    records = people_records(pairs, guard.overlaps, seed=0)
+    texts = sorted(r["messages"][0]["content"] for r in records)
+    assert texts == ["Write a haiku about rain.", "how do I boil an egg", "why is the sky blue"]
+    assert {r["source"] for r in records} == {"people"} and {r["category"] for r in records} == {"a", "b"}
+    assert people_records(pairs, guard.overlaps, seed=0) == records
+    # a seeded order, not the sources' (a partial run covers them all)
+    from training.common import stable_int
+
+    assert [r["messages"][0]["content"] for r in records] == sorted(texts, key=lambda t: stable_int(0, "people", t))

@@ -325,3 +325,17 @@ def test_packed_training_steps_move_the_head_as_one_sequence_per_forward_does(ta
         heads.append(model.state_dict())
     for n, a in heads[0].items():
         assert (a.float() - heads[1][n].float()).norm() <= 1e-3 * (a.float().norm() + 1e-6), n
+
+
+def test_source_caps_cut_only_the_named_sources_to_a_seeded_subset():
+    from training.common import cap_sources
+
+    items = [{"prompt_ids": [n], "response_ids": [1] * 10, "source": "synth" if n % 4 else "people"}
+             for n in range(40)]
+    capped = cap_sources(items, {"synth": 55}, seed=0)
+    synth = [it for it in capped if it["source"] == "synth"]
+    assert len(synth) == 6  # whole answers until the cap is passed: 60 tokens
+    assert [it for it in capped if it["source"] == "people"] == [it for it in items if it["source"] == "people"]
+    assert capped == [it for it in items if it in capped]  # in the items' order
+    assert cap_sources(items, {"synth": 55}, seed=0) == capped and cap_sources(items, {"synth": 55}, seed=1) != capped
+    assert cap_sources(items, {}, seed=0) == items
