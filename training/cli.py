@@ -12,14 +12,7 @@ from server.config import ConfigError
 def cmd_train_glide(a: argparse.Namespace) -> int:
     from training.glide import TrainOptions, run_train_glide
 
-    weights = []
-    for part in (a.source_weight or "").split(","):
-        if not part.strip():
-            continue
-        src, _, w = part.partition("=")
-        if not src.strip() or not w.strip().isdigit() or int(w) < 1:
-            raise ConfigError(f"--source-weight: SOURCE=N pairs with N >= 1, got {part!r}")
-        weights.append((src.strip(), int(w)))
+    weights = _source_pairs(a.source_weight, "--source-weight", "")
     if a.train_tokens < 0:
         raise ConfigError("--train-tokens must be >= 0")
     opts = TrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, loss=a.loss, block_len=a.block_len,
@@ -44,15 +37,7 @@ def cmd_train_falcon(a: argparse.Namespace) -> int:
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
                               w_reg=a.w_reg, ttt=a.training_time_test, pack_rows=a.pack_rows, seconds=a.seconds,
                               save_every=a.save_every)
-    caps = []
-    for part in (a.source_tokens or "").split(","):
-        if not part.strip():
-            continue
-        src, _, n = part.partition("=")
-        if not src.strip() or not n.strip().isdigit() or int(n) < 1:
-            raise ConfigError(f"--source-tokens: SOURCE=N pairs with N >= 1 answer tokens, got {part!r}")
-        caps.append((src.strip(), int(n)))
-    opts.source_tokens = tuple(caps)
+    opts.source_tokens = tuple(_source_pairs(a.source_tokens, "--source-tokens", " answer tokens"))
     if a.seconds is not None and a.seconds <= 0:
         raise ConfigError(f"--seconds: a positive wall time, got {a.seconds:g}")
     if a.save_every < 1:
@@ -119,6 +104,19 @@ def _replay_command(a: argparse.Namespace) -> str:
             continue
         argv += [action.option_strings[-1]] if value is True else [action.option_strings[-1], str(value)]
     return shlex.join(argv)
+
+
+def _source_pairs(arg: str | None, flag: str, unit: str) -> list[tuple[str, int]]:
+    """``chat=4,humaneval=4`` -> [("chat", 4), ("humaneval", 4)]: prompt sources with a count >= 1 each."""
+    pairs = []
+    for part in (arg or "").split(","):
+        if not part.strip():
+            continue
+        src, _, n = part.partition("=")
+        if not src.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise ConfigError(f"{flag}: SOURCE=N pairs with N >= 1{unit}, got {part!r}")
+        pairs.append((src.strip(), int(n)))
+    return pairs
 
 
 def _floats(arg: str, flag: str) -> tuple[float, ...]:

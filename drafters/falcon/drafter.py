@@ -8,8 +8,9 @@ Per step (``k`` = tokens per block, 2 by default):
    so a later position's candidates do not depend on the earlier one's choice). A k-token path is a leaf block.
 3. Expand: up to ``forwards - 1`` more forwards. Each runs the ``width`` leaf blocks with the highest path
    probability as new blocks (inputs: the drafted tokens and the features predicted for them; each row sees the
-   verified cache, its ancestor blocks and its own block) and hangs the Cartesian product of its outputs under the
-   block's last token. The tree stops at ``max_rows`` rows (root included).
+   verified cache, its ancestor blocks and its own block) and hangs the Cartesian product of its outputs
+   (``next_top_m`` candidates per position, ``top_m`` by default) under the block's last token. The tree stops at
+   ``max_rows`` rows (root included).
 
 Greedy requests get point masses (the top tokens). Unseeded sampled requests: the candidates under a node are
 independent draws from the drafter's distribution q at that position (shaped by the request's temperature, top-k and
@@ -76,17 +77,20 @@ class FalconDrafter:
     name = "falcon"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple | None = None,
-                 forwards: int = 1, width: int = 1, max_rows: int = 10):
+                 forwards: int = 1, width: int = 1, max_rows: int = 10, next_top_m: list | tuple | None = None):
         self.model = load_falcon(target, checkpoint)
         self.c = self.model.c
         top_m = (1,) * self.c.k if top_m is None else top_m  # None: a chain
-        if len(top_m) != self.c.k or any(int(m) < 1 for m in top_m):
-            raise ValueError(f"falcon: top_m needs {self.c.k} sizes >= 1 (one per position of a block), got {top_m}")
+        next_top_m = top_m if next_top_m is None else next_top_m  # the blocks of later forwards: the same by default
+        for name, shape in (("top_m", top_m), ("next_top_m", next_top_m)):
+            if len(shape) != self.c.k or any(int(m) < 1 for m in shape):
+                raise ValueError(f"falcon: {name} needs {self.c.k} sizes >= 1 (one per position of a block), got "
+                                 f"{shape}")
         if not 1 <= forwards <= 16 or not 1 <= width <= 8:
             raise ValueError("falcon: forwards must be in [1, 16], width in [1, 8]")
         if not 2 <= max_rows <= MAX_TREE_ROWS:
             raise ValueError(f"falcon: max_rows must be in [2, {MAX_TREE_ROWS}]")
-        self.target, self.top_m = target, [int(m) for m in top_m]
+        self.target, self.top_m, self.next_top_m = target, [int(m) for m in top_m], [int(m) for m in next_top_m]
         self.forwards, self.width, self.max_rows = forwards, width, max_rows
         self.vocab_ids = self.model.vocab_ids.to(target.device)
         self.target_taps = tuple(self.c.taps)  # the lower target layers the head reads (the engine keeps them)
@@ -144,7 +148,7 @@ class FalconDrafter:
         st.cached = n
         tree = _Tree([tokens[-1]], [-1], [], n, self._new_stop(), max_rows=min(self.max_rows, seq.max_rows))
         leaves: list[_Leaf] = []
-        self._grow(seq, st, out, [], 0, 1.0, n + 1, tree, leaves)
+        self._grow(seq, st, out, [], 0, 1.0, n + 1, tree, leaves, self.top_m)
         used = 0  # drafted rows in the cache past the verified ones
         for _ in range(self.forwards - 1):
             if len(tree.tokens) >= tree.max_rows or not leaves or tree.stopped:
@@ -165,7 +169,7 @@ class FalconDrafter:
             for j, leaf in enumerate(chosen):
                 own = list(range(base + j * kb, base + (j + 1) * kb))
                 self._grow(seq, st, out[j * kb:(j + 1) * kb], leaf.ancestors + own, leaf.rows[-1], leaf.score,
-                           leaf.position + kb, tree, leaves)
+                           leaf.position + kb, tree, leaves, self.next_top_m)
         q = torch.stack([torch.zeros_like(tree.q[0]), *tree.q]) if tree.q else None
         return DraftTree(tree.tokens, tree.parents, q)
 
@@ -179,9 +183,10 @@ class FalconDrafter:
         return torch.multinomial(q, m, replacement=True, generator=st.generator).tolist()
 
     def _grow(self, seq: SequenceView, st: _State, feats: torch.Tensor, ancestors: list[int], parent: int,
-              score: float, position: int, tree: "_Tree", leaves: list[_Leaf]) -> None:
-        """Hang the Cartesian product of a block's predictions ``feats`` [k, hidden] (tokens at ``position`` ..) under
-        tree row ``parent``, best first, while the tree has room; record its complete k-token paths as leaves."""
+              score: float, position: int, tree: "_Tree", leaves: list[_Leaf], top_m: list[int]) -> None:
+        """Hang the Cartesian product (``top_m`` candidates per position) of a block's predictions ``feats`` [k,
+        hidden] (tokens at ``position`` ..) under tree row ``parent``, best first, while the tree has room; record
+        its complete k-token paths as leaves."""
         sp = seq.sampling
         logits = self.model.logits(feats).float()  # [k, V_kept]
         probs = torch.softmax(logits, -1) if sp.greedy else target_probs(logits, sp)
@@ -190,7 +195,7 @@ class FalconDrafter:
             full = torch.zeros(probs.shape[0], self.c.vocab_size, dtype=torch.float32, device=probs.device)
             full.index_copy_(1, self.vocab_ids, probs)
         paths: list[tuple[list[int], float]] = [([parent], score)]  # (tree rows from ``parent``, probability)
-        for i, m in enumerate(self.top_m):
+        for i, m in enumerate(top_m):
             grown = []
             for rows, s in paths:
                 # Fresh candidates under every node (for unseeded sampling: independent draws per node).

@@ -170,7 +170,7 @@ def reference_block(model: FalconModel, view, chain) -> torch.Tensor:
     return model(torch.tensor(ids), feats, pos, relaxed_mask(blocks), taps=taps)[-k:]
 
 
-def reference_tree(model: FalconModel, view, top_m, forwards: int, width: int, max_rows: int):
+def reference_tree(model: FalconModel, view, top_m, forwards: int, width: int, max_rows: int, next_top_m=None):
     """The greedy tree by its definition, each block from ``reference_block``: (tokens, parents)."""
     vocab = model.vocab_ids.tolist()
     tokens, parents, leaves = [view.tokens[-1]], [-1], []
@@ -179,7 +179,7 @@ def reference_tree(model: FalconModel, view, top_m, forwards: int, width: int, m
         out = reference_block(model, view, chain)
         probs = torch.softmax(model.logits(out).float(), -1)
         level = [([], parent, score)]
-        for i, m in enumerate(top_m):
+        for i, m in enumerate(top_m if not chain or next_top_m is None else next_top_m):
             nxt = []
             for block, row, s in level:
                 for loc in torch.topk(probs[i], m).indices.tolist():
@@ -223,17 +223,20 @@ def test_greedy_tree_is_the_cartesian_product_of_one_forward(tiny_dir, tiny, tin
         engine.release(seq)
 
 
-@pytest.mark.parametrize("k,top_m,forwards,width,max_rows", [
-    (2, (3, 2), 2, 1, 24),   # one extra block, under the most probable leaf
-    (2, (3, 2), 2, 2, 32),   # two blocks in one forward, neither sees the other
-    (2, (3, 2), 3, 1, 40),   # a third block: under the best leaf left, a drafted block among its ancestors
-    (2, (2, 2), 4, 2, 64),   # deep: blocks three levels below the root
-    (2, (3, 2), 3, 2, 20),   # the cap cuts a block's Cartesian product
-    (3, (2, 2, 1), 3, 2, 40),  # k = 3
+@pytest.mark.parametrize("k,top_m,forwards,width,max_rows,next_top_m", [
+    (2, (3, 2), 2, 1, 24, None),   # one extra block, under the most probable leaf
+    (2, (3, 2), 2, 2, 32, None),   # two blocks in one forward, neither sees the other
+    (2, (3, 2), 3, 1, 40, None),   # a third block: under the best leaf left, a drafted block among its ancestors
+    (2, (2, 2), 4, 2, 64, None),   # deep: blocks three levels below the root
+    (2, (3, 2), 3, 2, 20, None),   # the cap cuts a block's Cartesian product
+    (3, (2, 2, 1), 3, 2, 40, None),  # k = 3
+    (2, (2, 1), 3, 1, 40, (1, 1)),   # branches in the first block only, chains under it
+    (2, (1, 1), 2, 2, 40, (2, 2)),   # a chain first, then a wider block
 ])
 def test_expanded_tree_matches_the_cache_free_reference(tiny_dir, tiny, tiny_ckpt, k, top_m, forwards, width,
-                                                        max_rows):
-    drafter = FalconDrafter(tiny, tiny_ckpt[k], top_m=top_m, forwards=forwards, width=width, max_rows=max_rows)
+                                                        max_rows, next_top_m):
+    drafter = FalconDrafter(tiny, tiny_ckpt[k], top_m=top_m, forwards=forwards, width=width, max_rows=max_rows,
+                            next_top_m=next_top_m)
     engine = Engine(_tiny_config(tiny_dir), drafter, tiny)
     ref = _reference_model(tiny, tiny_ckpt[k])
     for prompt in TINY_PROMPTS:
@@ -241,7 +244,7 @@ def test_expanded_tree_matches_the_cache_free_reference(tiny_dir, tiny, tiny_ckp
         view = engine.view(seq)
         tree = drafter.propose(view)
         tree.validate(V)
-        assert (tree.tokens, tree.parents) == reference_tree(ref, view, top_m, forwards, width, max_rows)
+        assert (tree.tokens, tree.parents) == reference_tree(ref, view, top_m, forwards, width, max_rows, next_top_m)
         assert tree.num_rows <= max_rows
         engine.release(seq)
 
@@ -487,8 +490,8 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(tiny, tiny_ckpt, tmp_pat
 
 
 def test_bad_options_fail_with_the_option(tiny, tiny_ckpt):
-    for bad in ({"top_m": [3]}, {"top_m": [3, 0]}, {"forwards": 0}, {"width": 9}, {"max_rows": 65},
-                {"max_rows": 1}):
+    for bad in ({"top_m": [3]}, {"top_m": [3, 0]}, {"next_top_m": [1]}, {"next_top_m": [0, 1]}, {"forwards": 0},
+                {"width": 9}, {"max_rows": 65}, {"max_rows": 1}):
         with pytest.raises(ValueError, match="falcon"):
             create_drafter("falcon", tiny, {"checkpoint": tiny_ckpt[2], **bad})
     with pytest.raises(ValueError, match="top_m needs 3"):
