@@ -116,21 +116,13 @@ def restore(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str
             _write_bytes(sdir / name, (src / "synth" / name).read_bytes())
             counts["synth_files"] += 1
     for name in _SYNTH_PACKED:
-        packed = src / "synth" / (name + ".xz")
-        if packed.is_file() and not (sdir / name).exists():
-            _write_bytes(sdir / name, lzma.decompress(packed.read_bytes()))
-            counts["synth_files"] += 1
+        counts["synth_files"] += _unpack_xz(src / "synth" / (name + ".xz"), sdir / name)
     for packed in sorted((src / "synth").glob("raw-*.json.xz")):
-        dst = sdir / "shards" / packed.name[:-3]
-        if not dst.exists():
-            _write_bytes(dst, lzma.decompress(packed.read_bytes()))
-            counts["synth_shards"] += 1
+        counts["synth_shards"] += _unpack_xz(packed, sdir / "shards" / packed.name[:-3])
     counts["answer_shards"], counts["answers_file"] = _restore_answers(src / "answers", answers_path(cfg, model_id))
     for sub in sorted(p for p in (src / "sets").glob("*") if p.is_dir() and SET_NAME.fullmatch(p.name)):
         path = answer_set_path(cfg, model_id, sub.name)
-        prompts = sub / "prompts.jsonl.xz"
-        if prompts.is_file() and not path.with_suffix(".jsonl").exists():
-            _write_bytes(path.with_suffix(".jsonl"), lzma.decompress(prompts.read_bytes()))
+        _unpack_xz(sub / "prompts.jsonl.xz", path.with_suffix(".jsonl"))
         shards, merged = _restore_answers(sub, path)
         counts["answer_shards"] += shards
         counts["answers_file"] += merged
@@ -184,11 +176,7 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
             if (sdir / name).is_file() and _write_if_changed(dst / "synth" / name, (sdir / name).read_bytes()):
                 counts["synth_files"] += 1
         for name in _SYNTH_PACKED:
-            packed = dst / "synth" / (name + ".xz")
-            if (sdir / name).is_file() and (not packed.exists() or
-                                            lzma.decompress(packed.read_bytes()) != (sdir / name).read_bytes()):
-                _write_bytes(packed, lzma.compress((sdir / name).read_bytes(), preset=9))
-                counts["synth_files"] += 1
+            counts["synth_files"] += _pack_xz(sdir / name, dst / "synth" / (name + ".xz"))
         for raw in sorted((sdir / "shards").glob("raw-*.json")):
             packed = dst / "synth" / (raw.name + ".xz")
             if not packed.exists():
@@ -197,11 +185,7 @@ def save(cfg, model_id: str, root: Path | None = None, log=print) -> dict[str, i
     counts["answer_shards"] += _save_answers(answers_path(cfg, model_id), dst / "answers")
     for name in answer_set_names(cfg, model_id):
         path = answer_set_path(cfg, model_id, name)
-        if path.with_suffix(".jsonl").is_file():
-            prompts = path.with_suffix(".jsonl").read_bytes()
-            packed = dst / "sets" / name / "prompts.jsonl.xz"
-            if not packed.exists() or lzma.decompress(packed.read_bytes()) != prompts:
-                _write_bytes(packed, lzma.compress(prompts, preset=9))
+        _pack_xz(path.with_suffix(".jsonl"), dst / "sets" / name / "prompts.jsonl.xz")
         counts["answer_shards"] += _save_answers(path, dst / "sets" / name)
     log(f"saved into {dst}: {counts['synth_shards']} prompt shards, {counts['synth_files']} prompt files, "
         f"{counts['answer_shards']} answer shards")
@@ -238,6 +222,26 @@ def _save_answers(merged: Path, dst: Path) -> int:
             if card.is_file():
                 _write_if_changed(dst / "card.json", card.read_bytes())
     return written
+
+
+def _unpack_xz(packed: Path, dst: Path) -> bool:
+    """``packed`` decompressed into ``dst`` where the corpus holds it and the work directory does not; True when
+    written."""
+    if not packed.is_file() or dst.exists():
+        return False
+    _write_bytes(dst, lzma.decompress(packed.read_bytes()))
+    return True
+
+
+def _pack_xz(src: Path, packed: Path) -> bool:
+    """``src`` xz-compressed into ``packed`` unless that holds the same bytes already; True when written."""
+    if not src.is_file():
+        return False
+    data = src.read_bytes()
+    if packed.exists() and lzma.decompress(packed.read_bytes()) == data:
+        return False
+    _write_bytes(packed, lzma.compress(data, preset=9))
+    return True
 
 
 def _write_if_changed(path: Path, data: bytes) -> bool:

@@ -88,8 +88,8 @@ def package_dir(module: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None:
         raise ModuleNotFoundError(f"{module} is not installed (see training/people.py for the pip command)")
-    return Path(next(iter(spec.submodule_search_locations or [])) if spec.submodule_search_locations
-                else Path(spec.origin).parent)
+    locations = spec.submodule_search_locations  # a package's folders; None for a plain module
+    return Path(next(iter(locations))) if locations else Path(spec.origin).parent
 
 
 def people_records(texts: Iterable[tuple[str, str]], overlaps: Callable[[str], bool], seed: int = SEED) -> list[dict]:
