@@ -9,11 +9,14 @@ kind is refused by another's loader ("not a ... checkpoint"); GLIDE and Falcon s
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("specserve.engine")
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoints"
 
@@ -83,33 +86,103 @@ def check_target(path: Path, error: type[Exception], how: str, trained_for: str,
 
 
 def load_drafter_model(target, load: Callable[[Path], object], check: Callable, path: Path, default: Path,
-                       error: type[Exception], what: str, command: str):
+                       error: type[Exception], what: str, command: str, weights: str = "auto"):
     """A learned drafter's model for ``target``, on its device and dtype, attached to its embedding and LM head:
-    ``load(path)`` reads it, ``check(config, target_args, target_id, path)`` refuses another target's file."""
+    ``load(path)`` reads it, ``check(config, target_args, target_id, path)`` refuses another target's file;
+    ``weights`` picks its matrices (``drafter_weights``)."""
+    check_weights(weights)
     if not path.is_file():
         raise error(f"no {what} for target {target.model_id!r} at {path}; train one with `specserve {command} "
                     f"--config <your config>` (it writes {default}) or set the drafter's `checkpoint` option")
     model = load(path)
     check(model.c, target.args, target.model_id, path)
     model = model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return on_target_kernels(model.attach(target.embed_weight, target.lm_head_weight), target)
+    return drafter_weights(model.attach(target.embed_weight, target.lm_head_weight), target, weights)
 
 
-def on_target_kernels(model, target):
-    """Where the target runs the CPU block-quantized kernel (a float32 target on ``kernels.cpu``'s qlinear path), the
-    drafter's matrices run it too: each 2-D parameter whose input width is a multiple of 32, and its LM-head rows,
-    become int8 per block of 32 (``BlockQuantWeight``), which ``core.ops.linear`` multiplies with the same kernel.
-    A drafter forward then reads a quarter of its float32 bytes, so its cost keeps pace with the target's step.
+DRAFTER_WEIGHTS = ("auto", "int8", "dense")
+_MEASURED: dict[tuple, dict[str, float]] = {}  # (matrix shapes, dtype) -> {"dense": ms, "int8": ms}, per process
+
+
+def check_weights(weights: str) -> None:
+    if weights not in DRAFTER_WEIGHTS:
+        raise ValueError(f"drafter option weights: {weights!r} is not one of {', '.join(DRAFTER_WEIGHTS)}")
+
+
+def drafter_weights(model, target, weights: str = "auto"):
+    """The learned drafter's matrices, by the drafter option ``weights``:
+
+    - ``int8``: each 2-D parameter whose input width is a multiple of 32, and its LM-head rows, become int8 per block
+      of 32 (``kernels.cpu.BlockQuantWeight``), which ``core.ops.linear`` multiplies with the CPU kernel the
+      quantized targets run. A drafter forward then reads half its bfloat16 bytes (a quarter of float32's).
+    - ``dense``: the target's dtype, as the checkpoint was trained.
+    - ``auto`` (default): int8 where the target itself runs that kernel (a float32 target on the qlinear path);
+      elsewhere on a CPU where the kernel loads, int8 if one pass over the drafter's matrices measured faster so
+      (``measure_weights``, once per process and shape), else dense; dense on GPUs.
+
     Drafts only propose (the target verifies every token), so this changes acceptance, never the output."""
-    if getattr(target, "kernels", "aten") != "qlinear" or target.dtype != torch.float32:
-        return model
-    from kernels.cpu import QK, BlockQuantWeight
+    check_weights(weights)
+    from kernels import cpu
 
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() == 2 and p.shape[1] % QK == 0:
-                del module._parameters[name]
-                setattr(module, name, BlockQuantWeight.quantize(p.detach(), 8))
+    if weights == "dense" or not _dense_matrices(model):
+        return model
+    usable = target.device.type == "cpu" and cpu.load() is not None
+    if weights == "int8" and not usable:
+        raise ValueError(f"drafter option weights: int8 needs the CPU kernel ({cpu.unavailable_reason()}); this "
+                         f"target runs on {target.device.type}")
+    if weights == "auto":
+        if not usable:
+            return model
+        on_target_path = getattr(target, "kernels", "aten") == "qlinear" and target.dtype == torch.float32
+        if not on_target_path:
+            ms = measure_weights(model)
+            if ms["int8"] >= ms["dense"]:
+                return model
+    for module, name, p in _dense_matrices(model):
+        del module._parameters[name]
+        setattr(module, name, cpu.BlockQuantWeight.quantize(p.detach(), 8))
     if isinstance(model.head_weight, torch.Tensor):
-        model.head_weight = BlockQuantWeight.quantize(model.head_weight, 8)
+        model.head_weight = cpu.BlockQuantWeight.quantize(model.head_weight, 8)
     return model
+
+
+def _dense_matrices(model) -> list[tuple]:
+    """(module, name, parameter) of every 2-D parameter the int8 kernel can take (input width a multiple of 32)."""
+    from kernels.cpu import QK
+
+    return [(module, name, p) for module in model.modules() for name, p in module.named_parameters(recurse=False)
+            if p.dim() == 2 and p.shape[1] % QK == 0]
+
+
+def measure_weights(model, rows: int = 2, repeats: int = 7) -> dict[str, float]:
+    """Median ms of one pass over the drafter's matrices (those ``drafter_weights`` would swap, and its LM-head rows)
+    at ``rows`` rows (a Falcon block; a GLIDE step runs one), dense against int8 blocks, interleaved so both see the
+    same moments of a busy machine. Remembered per process by the matrices' shapes and dtype."""
+    import statistics
+    import time
+
+    from core.ops import linear
+    from kernels.cpu import BlockQuantWeight
+
+    dense = [p.detach() for _, _, p in _dense_matrices(model)] + [model.head_weight]
+    key = (tuple(tuple(w.shape) for w in dense), str(dense[0].dtype))
+    if key not in _MEASURED:
+        packed = [BlockQuantWeight.quantize(w, 8) for w in dense]
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(rows, w.shape[1], generator=g).to(w.dtype) for w in dense]
+
+        def one_pass(ws) -> float:
+            t0 = time.perf_counter()
+            for x, w in zip(xs, ws):
+                linear(x, w)
+            return time.perf_counter() - t0
+
+        one_pass(dense), one_pass(packed)  # first calls pay one-off costs
+        times = {"dense": [], "int8": []}
+        for _ in range(repeats):
+            times["dense"].append(one_pass(dense))
+            times["int8"].append(one_pass(packed))
+        _MEASURED[key] = {k: round(1e3 * statistics.median(v), 4) for k, v in times.items()}
+        log.info("drafter matrices %s: dense %.3f ms, int8 %.3f ms per pass", key[1], _MEASURED[key]["dense"],
+                 _MEASURED[key]["int8"])
+    return _MEASURED[key]

@@ -282,7 +282,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
         from drafters.glide.drafter import load_glide
         from drafters.glide.model import default_checkpoint as drafter_default
 
-        model = load_glide(target, checkpoint)
+        model = load_glide(target, checkpoint, weights="dense")  # as trained, on any machine
         read = [model.c.target_layer(m) for m in range(model.c.num_layers)]
         layers = "_".join(map(str, read))
         tag = f"{len(items)}+0-{opts.max_len}-{layers}-{str(target.dtype)[6:]}-{answers_digest(items)}"
@@ -298,7 +298,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
         from drafters.falcon.model import default_checkpoint as drafter_default
         from training.falcon import cached_features, features_tag
 
-        model = load_falcon(target, checkpoint)
+        model = load_falcon(target, checkpoint, weights="dense")
         feat_file = wd / f"features-{features_tag(items, 0, opts.max_len, target.dtype)}.pt"
         teacher = cached_features(target, items, opts.max_len, feat_file, model.c.taps, progress, log)
         hidden, build = model.c.hidden_size, falcon_examples

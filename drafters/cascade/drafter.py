@@ -164,7 +164,7 @@ class CascadeDrafter:
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, k: Sequence[Sequence[int]] = DEFAULT_K,
                  leniency: float = 1.0, bigram: str | None = None, min_match: int = 1, branch: bool = True,
-                 expand: bool = True, bins: list | tuple = PAPER_BINS, max_rows: int = 16):
+                 expand: bool = True, bins: list | tuple = PAPER_BINS, max_rows: int = 16, weights: str = "auto"):
         from drafters.glide.drafter import GlideDrafter
 
         self.k11, self.k12, self.k21 = check_k(k)
@@ -178,7 +178,7 @@ class CascadeDrafter:
         self.max_expand = max(k for _, k in self.bins)
         self.target = target
         self.maxgram = MaxGram(load_bigram(target, bigram), min_match)
-        self.reviewer = GlideDrafter(target, checkpoint=checkpoint, gamma=min(self.k21, 63))
+        self.reviewer = GlideDrafter(target, checkpoint=checkpoint, gamma=min(self.k21, 63), weights=weights)
         self._generators: dict[int, torch.Generator] = {}
 
     # The reviewer is the only model that runs: its counters are the drafter's (`specserve bench offline`).

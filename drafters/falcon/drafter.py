@@ -66,19 +66,21 @@ class _Tree:
     max_rows: int = MAX_TREE_ROWS  # the drafter's tree size within the step's row budget
 
 
-def load_falcon(target: TargetView, checkpoint: str | Path | None = None) -> FalconModel:
-    """The head for this target (default: drafters/checkpoints/<target id>/falcon.safetensors), on its device."""
+def load_falcon(target: TargetView, checkpoint: str | Path | None = None, weights: str = "auto") -> FalconModel:
+    """The head for this target (default: drafters/checkpoints/<target id>/falcon.safetensors), on its device, its
+    matrices as ``weights`` says (``drafters.checkpoint.drafter_weights``)."""
     default = default_checkpoint(target.model_id)
     return load_drafter_model(target, FalconModel.load, check_fits, Path(checkpoint) if checkpoint else default,
-                              default, FalconCheckpointError, "Falcon checkpoint", "train falcon")
+                              default, FalconCheckpointError, "Falcon checkpoint", "train falcon", weights)
 
 
 class FalconDrafter:
     name = "falcon"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, top_m: list | tuple | None = None,
-                 forwards: int = 1, width: int = 1, max_rows: int = 10, next_top_m: list | tuple | None = None):
-        self.model = load_falcon(target, checkpoint)
+                 forwards: int = 1, width: int = 1, max_rows: int = 10, next_top_m: list | tuple | None = None,
+                 weights: str = "auto"):
+        self.model = load_falcon(target, checkpoint, weights)
         self.c = self.model.c
         top_m = (1,) * self.c.k if top_m is None else top_m  # None: a chain
         next_top_m = top_m if next_top_m is None else next_top_m  # the blocks of later forwards: the same by default
@@ -235,10 +237,11 @@ class FalconAdaptiveDrafter(AdaptiveLength, FalconDrafter):
     name = "falcon-adaptive"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
-                 threshold: float = 0.5, max_forwards: int = 2):
+                 threshold: float = 0.5, max_forwards: int = 2, weights: str = "auto"):
         if not 1 <= max_forwards <= 2:
             raise ValueError("falcon-adaptive: max_forwards must be 1 or 2 (the head learned the first two blocks)")
         head, path = self._head_and_checkpoint(target, "falcon", accept_head, checkpoint,
                                                default_checkpoint(target.model_id))
-        super().__init__(target, str(path), top_m=None, forwards=max_forwards, width=1, max_rows=MAX_TREE_ROWS)
+        super().__init__(target, str(path), top_m=None, forwards=max_forwards, width=1, max_rows=MAX_TREE_ROWS,
+                         weights=weights)
         self._init_adaptive(head, path, threshold)

@@ -48,18 +48,20 @@ def _sync(st: _State, tokens: list[int]) -> None:
     st.confirmed = keep
 
 
-def load_glide(target: TargetView, checkpoint: str | Path | None = None, name: str = "glide") -> GlideModel:
-    """The checkpoint for this target (default: drafters/checkpoints/<target id>/glide.safetensors), on its device."""
+def load_glide(target: TargetView, checkpoint: str | Path | None = None, name: str = "glide",
+               weights: str = "auto") -> GlideModel:
+    """The checkpoint for this target (default: drafters/checkpoints/<target id>/glide.safetensors), on its device, its
+    matrices as ``weights`` says (``drafters.checkpoint.drafter_weights``)."""
     default = default_checkpoint(target.model_id, name)
     return load_drafter_model(target, GlideModel.load, check_fits, Path(checkpoint) if checkpoint else default,
-                              default, GlideCheckpointError, "GLIDE checkpoint", "train glide")
+                              default, GlideCheckpointError, "GLIDE checkpoint", "train glide", weights)
 
 
 class GlideDrafter:
     name = "glide"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, gamma: int = 5, cape: bool = False,
-                 bins: list | tuple = PAPER_BINS, max_rows: int = 32):
+                 bins: list | tuple = PAPER_BINS, max_rows: int = 32, weights: str = "auto"):
         if not 1 <= gamma <= 63:
             raise ValueError("glide: gamma must be in [1, 63]")
         if not 2 <= max_rows <= 64:
@@ -67,7 +69,7 @@ class GlideDrafter:
         self.target, self.gamma, self.cape, self.max_rows = target, gamma, cape, max_rows
         self.bins = check_bins(bins)
         self.max_expand = max(k for _, k in self.bins) if cape else 0
-        self.model = load_glide(target, checkpoint)
+        self.model = load_glide(target, checkpoint, weights=weights)
         self.c = self.model.c
         self.vocab_ids = self.model.vocab_ids.to(target.device)
         self._states: dict[int, _State] = {}
@@ -202,8 +204,8 @@ class GlideCapeDrafter(GlideDrafter):
     name = "glide-cape"
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, gamma: int = 5, cape: bool = True,
-                 bins: list | tuple = PAPER_BINS, max_rows: int = 32):
-        super().__init__(target, checkpoint, gamma, cape, bins, max_rows)
+                 bins: list | tuple = PAPER_BINS, max_rows: int = 32, weights: str = "auto"):
+        super().__init__(target, checkpoint, gamma, cape, bins, max_rows, weights)
 
 
 class GlideAdaptiveDrafter(AdaptiveLength, GlideDrafter):
@@ -216,8 +218,8 @@ class GlideAdaptiveDrafter(AdaptiveLength, GlideDrafter):
 
     def __init__(self, target: TargetView, checkpoint: str | None = None, accept_head: str | None = None,
                  threshold: float = 0.5, max_gamma: int = 8, cape: bool = False, bins: list | tuple = PAPER_BINS,
-                 max_rows: int = 32):
+                 max_rows: int = 32, weights: str = "auto"):
         head, path = self._head_and_checkpoint(target, "glide", accept_head, checkpoint,
                                                default_checkpoint(target.model_id))
-        super().__init__(target, str(path), max_gamma, cape, bins, max_rows)
+        super().__init__(target, str(path), max_gamma, cape, bins, max_rows, weights)
         self._init_adaptive(head, path, threshold)

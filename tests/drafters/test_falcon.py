@@ -12,7 +12,7 @@ import torch
 from core.ops import LlamaArgs
 from core.sampling import SamplingParams, race, target_probs, token_clocks
 from drafters.base import create_drafter
-from drafters.falcon.drafter import FalconDrafter
+from drafters.falcon.drafter import FalconDrafter, load_falcon
 from drafters.falcon.model import (
     FalconCheckpointError,
     FalconConfig,
@@ -146,8 +146,10 @@ def _start(engine: Engine, prompt, sampling: SamplingParams | None = None, max_n
     return seq
 
 
-def _reference_model(target, path) -> FalconModel:
-    return FalconModel.load(path).attach(target.embed_weight, target.lm_head_weight)
+def _reference_model(target, path, weights: str = "auto") -> FalconModel:
+    """The drafter's own head (its matrices as ``weights`` chooses them, as the drafter's did), run without its
+    cache."""
+    return load_falcon(target, path, weights)
 
 
 @torch.no_grad()
@@ -253,13 +255,13 @@ def test_a_head_with_taps_reads_the_targets_lower_layers(tiny_dir, tiny, tiny_ck
     """A head that reads a lower target layer (EAGLE-3's multi-layer features): the engine keeps the layer's residual
     stream beside the hidden states (the target's own forward computes the same), the drafter's expanded tree is the
     cache-free reference's with those rows, the tap weights change it, and greedy decoding stays lossless."""
-    drafter = FalconDrafter(tiny, tiny_ckpt["taps"], **OPTS)
+    drafter = FalconDrafter(tiny, tiny_ckpt["taps"], **OPTS, weights="dense")  # the reference zeroes a matrix
     assert drafter.target_taps == (1,)
     engine = Engine(_tiny_config(tiny_dir), drafter, tiny)
     W = tiny.args.hidden_size
     assert engine.pool.hidden.shape[-1] == 2 * W
-    ref = _reference_model(tiny, tiny_ckpt["taps"])
-    blind = _reference_model(tiny, tiny_ckpt["taps"])
+    ref = _reference_model(tiny, tiny_ckpt["taps"], "dense")
+    blind = _reference_model(tiny, tiny_ckpt["taps"], "dense")
     with torch.no_grad():
         blind.tap_fuse.zero_()
     differs = 0

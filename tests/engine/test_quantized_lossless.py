@@ -75,7 +75,7 @@ def test_learned_drafters_run_the_targets_cpu_kernel_and_predict_as_their_dense_
     same top token on nearly every input, logits within the int8 rounding."""
     import torch
 
-    from drafters.checkpoint import on_target_kernels
+    from drafters.checkpoint import drafter_weights
     from kernels import cpu
 
     if int4_target.kernels != "qlinear":
@@ -95,7 +95,7 @@ def test_learned_drafters_run_the_targets_cpu_kernel_and_predict_as_their_dense_
     want, got = dense.logits(feats), model.logits(feats)
     assert (want.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
     assert (want - got).abs().max() <= 0.05 * want.abs().max()
-    assert on_target_kernels(model, int4_target) is model  # nothing left to swap on a second call
+    assert drafter_weights(model, int4_target) is model  # nothing left to swap on a second call
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
