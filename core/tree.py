@@ -84,6 +84,24 @@ class DraftTree:
         q = self.q[:num_rows] if self.q is not None else None
         return DraftTree(self.tokens[:num_rows], self.parents[:num_rows], q)
 
+    def depth_first(self) -> "DraftTree":
+        """The same tree in depth-first order, children in their row order: each node's first child follows it with
+        its whole subtree, so the rows open with the longest chain of first children. Drafters list the likeliest
+        child first, so that chain is the likeliest path, and the engine verifies this order: its leading chain runs
+        in place (a branch row's keys are gathered) and an accepted path along it needs no KV compaction. Siblings
+        keep their order, so acceptance tries the same tokens in the same order. ``self`` where already so."""
+        children = self.children()
+        order, stack = [], [0]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(children[node]))
+        if order == list(range(len(order))):
+            return self
+        new = {old: i for i, old in enumerate(order)}
+        return DraftTree([self.tokens[o] for o in order], [-1] + [new[self.parents[o]] for o in order[1:]],
+                         self.q[order] if self.q is not None else None)
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError where the tree breaks the contract of the module docstring."""
         n = len(self.tokens)

@@ -353,7 +353,8 @@ class Engine:
                 # verifies the tokens the grammar forces, drafts accepted but for a different tokenization
                 cap = cap if cap > 1 else room
                 tree = constrain_tree(tree, seq.matcher, cap)
-            trees.append((seq, tree.truncate(cap), seq.max_rows > 1, seq.stats.draft_seconds - before))
+            tree = tree.truncate(cap).depth_first()  # the likeliest chain first (DraftTree.depth_first)
+            trees.append((seq, tree, seq.max_rows > 1, seq.stats.draft_seconds - before))
         chunks = []  # (seq, first prompt row, rows)
         for seq, n in plan.prefill:
             start = seq.cache_len

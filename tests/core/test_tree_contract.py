@@ -59,3 +59,18 @@ def test_sampled_sibling_after_a_point_mass_is_rejected():
 def test_q_shape_is_checked():
     with pytest.raises(ValueError, match="shape"):
         DraftTree.chain(0, [3], torch.zeros(2, V + 1)).validate(V)
+
+
+def test_depth_first_keeps_each_first_child_under_its_parent_and_the_sibling_order():
+    # Falcon's top_m [2, 1] then a chain, in the order it drafts: x1 x2 | y1 (under x1) y2 (under x2) | z1 z2
+    q = torch.stack([torch.full((V,), float(i)) for i in range(7)])
+    tree = DraftTree([0, 1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, 2, 3, 5], q)
+    dfs = tree.depth_first()
+    assert dfs.tokens == [0, 1, 3, 5, 6, 2, 4]  # root x1 y1 z1 z2: one chain first, then the branch x2 y2
+    assert dfs.parents == [-1, 0, 1, 2, 3, 0, 5]
+    assert dfs.q[:, 0].tolist() == [0, 1, 3, 5, 6, 2, 4]  # q rows travel with their tokens
+    assert [[dfs.tokens[c] for c in kids] for kids in dfs.children()][0] == [1, 2]  # siblings keep their order
+    chain = DraftTree.chain(0, [1, 2])
+    assert chain.depth_first() is chain  # already depth-first: the same tree
+    cape = DraftTree([0, 3, 4, 5, 6, 7], [-1, 0, 1, 0, 0, 1])
+    assert cape.depth_first().tokens == [0, 3, 4, 7, 5, 6]

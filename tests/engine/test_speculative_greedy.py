@@ -35,3 +35,21 @@ def test_random_trees_equal_plain(fp32_config, target32, prompts, plain, stops, 
     engine = Engine(fp32_config, drafter, target32)
     outs = assert_lossless(engine, prompts, plain, MAX_NEW, stops, label=kinds)
     assert tokens_per_step(outs) > 1.5  # the hidden paths were really accepted (and compacted)
+
+
+def test_the_engine_verifies_trees_depth_first(fp32_config, target32, prompts, plain, stops):
+    """A tree drafted level by level is verified with the likeliest chain first (its leading rows then run in place,
+    and an accepted path along it needs no compaction), and decoding stays lossless."""
+    reference = {tuple(p): want for p, want in zip(prompts, plain)}
+    drafter = OracleTreeDrafter(reference, kinds=("bushy",), max_rows=16, vocab_size=target32.args.vocab_size)
+    engine = Engine(fp32_config, drafter, target32)
+    drafted, verified = [], []
+    propose, accept = drafter.propose, engine._accept
+    drafter.propose = lambda seq: drafted.append(propose(seq)) or drafted[-1]
+    engine._accept = lambda seq, tree, logits: verified.append(tree) or accept(seq, tree, logits)
+    assert_lossless(engine, prompts[:1], plain[:1], MAX_NEW, stops, label="depth-first")
+    drafted, verified = ([t for t in trees if t.num_rows > 1] for trees in (drafted, verified))  # steps with drafts
+    assert len(drafted) == len(verified) and any(t.depth_first() is not t for t in drafted)
+    for d, v in zip(drafted, verified):
+        want = d.truncate(v.num_rows).depth_first()  # the rows the request still has room for, reordered
+        assert (v.tokens, v.parents) == (want.tokens, want.parents)
