@@ -116,6 +116,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
+def top1(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``: the same indices (the first of tied maxima; a NaN wins as it does there) through
+    ``max(-1)``, whose CPU kernel runs several times faster than argmax's in bfloat16 and float32 (a verify step's
+    greedy acceptance reads every row's top token)."""
+    return x.max(-1).indices
+
+
 def _mv_mm(x: torch.Tensor, w: torch.Tensor, any_layout: bool = False) -> torch.Tensor:
     T = x.shape[0]
     if T == 1:

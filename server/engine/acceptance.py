@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from core.ops import top1
 from core.sampling import SamplingParams, Shaper, race, target_probs, token_clocks
 from core.tree import DraftTree
 
@@ -62,8 +63,8 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor | ShapedRows) -> tuple[l
     """Returns (accepted rows, root first; emitted tokens, bonus last). logits: [T+1, V], or a request's shaped rows
     (each row's argmax taken when the walk reaches it)."""
     if isinstance(logits, ShapedRows):
-        return follow(tree, lambda node, depth: int(logits[node].argmax()))
-    best = logits.argmax(-1).tolist()  # [T+1]
+        return follow(tree, lambda node, depth: int(top1(logits[node])))
+    best = top1(logits).tolist()  # [T+1]
     return follow(tree, lambda node, depth: best[node])
 
 

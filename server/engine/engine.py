@@ -18,6 +18,7 @@ from itertools import accumulate
 import torch
 
 from core.grammar import GrammarError, GrammarTokenizer
+from core.ops import top1
 from core.sampling import SamplingParams, Shaper, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
@@ -493,7 +494,7 @@ class Engine:
         sp = seq.sampling
         rows = logits if seq.shaper is None else seq.shaper(logits[0])[None]
         if sp.greedy:
-            tok = int(rows.argmax(-1).item())
+            tok = int(top1(rows).item())
         else:
             rows = target_probs(rows, sp)
             if sp.seed is not None:
