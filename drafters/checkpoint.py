@@ -141,7 +141,7 @@ def drafter_weights(model, target, weights: str = "auto"):
     for module, name, p in _dense_matrices(model):
         del module._parameters[name]
         setattr(module, name, cpu.BlockQuantWeight.quantize(p.detach(), 8))
-    if isinstance(model.head_weight, torch.Tensor):
+    if isinstance(model.head_weight, torch.Tensor) and model.head_weight.shape[1] % cpu.QK == 0:
         model.head_weight = cpu.BlockQuantWeight.quantize(model.head_weight, 8)
     return model
 
@@ -162,9 +162,11 @@ def measure_weights(model, rows: int = 2, repeats: int = 7) -> dict[str, float]:
     import time
 
     from core.ops import linear
-    from kernels.cpu import BlockQuantWeight
+    from kernels.cpu import QK, BlockQuantWeight
 
-    dense = [p.detach() for _, _, p in _dense_matrices(model)] + [model.head_weight]
+    head = [model.head_weight] if isinstance(model.head_weight, torch.Tensor) and model.head_weight.shape[1] % QK == 0 \
+        else []
+    dense = [p.detach() for _, _, p in _dense_matrices(model)] + head
     key = (tuple(tuple(w.shape) for w in dense), str(dense[0].dtype))
     if key not in _MEASURED:
         packed = [BlockQuantWeight.quantize(w, 8) for w in dense]

@@ -405,7 +405,7 @@ class Engine:
             rows = logits if shaper is None else ShapedRows(tree, logits, shaper)
             path, tokens = accept_greedy(tree, rows)
         else:
-            rows = target_probs(logits, sp) if shaper is None else ShapedRows(tree, logits, shaper, sp)
+            rows = ShapedRows(tree, logits, shaper, sp)  # the rows the walk reads, each when it does
             if sp.seed is not None:
                 path, tokens = accept_seeded(tree, rows, sp.seed, len(seq.token_ids))
             else:

@@ -141,3 +141,24 @@ def test_the_row_budget_stops_at_the_tokens_still_wanted(tiny_engine):
     assert len(out.token_ids) == 5
     assert seen and all(budget == min(wanted, 64) for wanted, budget in seen), seen
     assert out.stats.draft_tokens == sum(wanted - 1 for wanted, _ in seen)  # what was verified: within the budget
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_sampled_acceptance_builds_only_the_rows_its_walk_reads(tiny_engine, monkeypatch, seed):
+    """A sampled request's target distribution (temperature, top-p: a sort over the vocabulary per row) is built
+    for the tree rows acceptance reads, one row at a time as plain decoding builds its one row, not for every row."""
+    import server.engine.acceptance as acceptance
+
+    built, real = [], acceptance.target_probs
+    monkeypatch.setattr(acceptance, "target_probs", lambda x, sp: built.append(x.shape[0]) or real(x, sp))
+    for trial in range(4):
+        sp = SamplingParams(temperature=0.8, top_p=0.9, seed=None if seed is None else seed + trial)
+        seq = tiny_engine.add([3, 7, 1, 12, 5], sp, max_new_tokens=8)
+        tiny_engine.prefill(seq)
+        tree = DraftTree([seq.token_ids[-1], 2, 9, 4, 4, 13, 6], [-1, 0, 1, 2, 0, 4, 5])  # point masses
+        built.clear()
+        with torch.inference_mode():
+            logits, _ = tiny_engine.verify(seq, tree)
+            path, tokens, _ = tiny_engine._accept(seq, tree, logits)
+        assert built == [1] * len(path), (built, path)  # the path's rows, each once
+        tiny_engine.release(seq)
