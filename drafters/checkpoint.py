@@ -90,7 +90,6 @@ def load_drafter_model(target, load: Callable[[Path], object], check: Callable, 
     """A learned drafter's model for ``target``, on its device and dtype, attached to its embedding and LM head:
     ``load(path)`` reads it, ``check(config, target_args, target_id, path)`` refuses another target's file;
     ``weights`` picks its matrices (``drafter_weights``)."""
-    check_weights(weights)
     if not path.is_file():
         raise error(f"no {what} for target {target.model_id!r} at {path}; train one with `specserve {command} "
                     f"--config <your config>` (it writes {default}) or set the drafter's `checkpoint` option")
@@ -124,7 +123,8 @@ def drafter_weights(model, target, weights: str = "auto"):
     check_weights(weights)
     from kernels import cpu
 
-    if weights == "dense" or not _dense_matrices(model):
+    matrices = _int8_matrices(model)
+    if weights == "dense" or not matrices:
         return model
     usable = target.device.type == "cpu" and cpu.load() is not None
     if weights == "int8" and not usable:
@@ -138,35 +138,36 @@ def drafter_weights(model, target, weights: str = "auto"):
             ms = measure_weights(model)
             if ms["int8"] >= ms["dense"]:
                 return model
-    for module, name, p in _dense_matrices(model):
-        del module._parameters[name]
-        setattr(module, name, cpu.BlockQuantWeight.quantize(p.detach(), 8))
-    if isinstance(model.head_weight, torch.Tensor) and model.head_weight.shape[1] % cpu.QK == 0:
-        model.head_weight = cpu.BlockQuantWeight.quantize(model.head_weight, 8)
+    for owner, name, w in matrices:
+        owner._parameters.pop(name, None)  # a parameter (the head's rows are a plain attribute)
+        setattr(owner, name, cpu.BlockQuantWeight.quantize(w, 8))
     return model
 
 
-def _dense_matrices(model) -> list[tuple]:
-    """(module, name, parameter) of every 2-D parameter the int8 kernel can take (input width a multiple of 32)."""
+def _int8_matrices(model) -> list[tuple]:
+    """(owner, attribute, matrix) of every dense matrix the int8 kernel can take (input width a multiple of 32): the
+    2-D parameters, then the LM-head rows."""
     from kernels.cpu import QK
 
-    return [(module, name, p) for module in model.modules() for name, p in module.named_parameters(recurse=False)
-            if p.dim() == 2 and p.shape[1] % QK == 0]
+    found = [(module, name, p.detach()) for module in model.modules()
+             for name, p in module.named_parameters(recurse=False) if p.dim() == 2 and p.shape[1] % QK == 0]
+    head = model.head_weight
+    if isinstance(head, torch.Tensor) and head.shape[1] % QK == 0:
+        found.append((model, "head_weight", head))
+    return found
 
 
 def measure_weights(model, rows: int = 2, repeats: int = 7) -> dict[str, float]:
-    """Median ms of one pass over the drafter's matrices (those ``drafter_weights`` would swap, and its LM-head rows)
+    """Median ms of one pass over the drafter's matrices (those ``drafter_weights`` would swap: ``_int8_matrices``)
     at ``rows`` rows (a Falcon block; a GLIDE step runs one), dense against int8 blocks, interleaved so both see the
     same moments of a busy machine. Remembered per process by the matrices' shapes and dtype."""
     import statistics
     import time
 
     from core.ops import linear
-    from kernels.cpu import QK, BlockQuantWeight
+    from kernels.cpu import BlockQuantWeight
 
-    head = [model.head_weight] if isinstance(model.head_weight, torch.Tensor) and model.head_weight.shape[1] % QK == 0 \
-        else []
-    dense = [p.detach() for _, _, p in _dense_matrices(model)] + head
+    dense = [w for _, _, w in _int8_matrices(model)]
     key = (tuple(tuple(w.shape) for w in dense), str(dense[0].dtype))
     if key not in _MEASURED:
         packed = [BlockQuantWeight.quantize(w, 8) for w in dense]
