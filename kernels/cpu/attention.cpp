@@ -7,7 +7,8 @@
 // ancestors and itself, in tree order). A decode step at position p has cached = p + 1 and no bits; a draft row at
 // depth d after c cached tokens has cached = c and its d + 1 path bits: the same keys in the same order.
 // Per query head: scores q.k / sqrt(D) in float32, softmax with the row's maximum, output sum_j p_j v_j / sum_j p_j.
-// The pool holds float32 or float16 K/V (each row widened exactly on load); the arithmetic is float32 either way.
+// The pool holds float32, float16 or bfloat16 K/V (each row widened exactly on load); the arithmetic is float32
+// whatever the pool's type, and so is the query (a 16-bit query is widened exactly, the output rounded once).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,13 +23,19 @@
 
 namespace {
 
-// 16 lanes of a K or V row, as float32: the pool stores float32 or float16 (converted exactly on load)
+// 16 lanes of a K or V row, as float32: the pool stores float32, float16 or bfloat16 (converted exactly on load;
+// a bfloat16 is the top half of its float32)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load16(const at::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 maskload16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 maskload16(__mmask16 m, const at::Half* p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+inline __m512 maskload16(__mmask16 m, const at::BFloat16* p) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 
 template <typename E>
 inline float dot(const float* a, const E* b, int64_t D) {
@@ -188,8 +195,9 @@ void head_any(const float* q, float* o, const E* kh, const E* vh, int64_t ks2, i
 void check_rows(const torch::Tensor& k, const torch::Tensor& v, int64_t T, const torch::Tensor& slot,
                 const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "attend: k and v [slots, H_kv, S, D]");
-  TORCH_CHECK((k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf) &&
-              v.scalar_type() == k.scalar_type(), "attend: k and v both float32 or both float16");
+  TORCH_CHECK((k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf ||
+               k.scalar_type() == torch::kBFloat16) && v.scalar_type() == k.scalar_type(),
+              "attend: k and v both float32, float16 or bfloat16");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(), "attend: k and v rows");
   for (const auto* t : {&slot, &cached, &base, &bits})
     TORCH_CHECK(t->scalar_type() == torch::kLong && t->numel() == T && t->is_contiguous(), "attend: row specs");
@@ -265,6 +273,8 @@ void attend_any(const float* qp, int64_t T, int64_t H, int64_t D, const torch::T
                 float* op) {
   if (k.scalar_type() == torch::kHalf)
     attend_rows<at::Half>(qp, T, H, D, k, v, slot_p, cached_p, base_p, bits_p, op);
+  else if (k.scalar_type() == torch::kBFloat16)
+    attend_rows<at::BFloat16>(qp, T, H, D, k, v, slot_p, cached_p, base_p, bits_p, op);
   else
     attend_rows<float>(qp, T, H, D, k, v, slot_p, cached_p, base_p, bits_p, op);
 }
@@ -273,6 +283,9 @@ void attend_any(const float* qp, int64_t T, int64_t H, int64_t D, const torch::T
 inline void store_row(float* dst, const float* src, int64_t D) { std::copy(src, src + D, dst); }
 inline void store_row(at::Half* dst, const float* src, int64_t D) {
   for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+inline void store_row(at::BFloat16* dst, const float* src, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
 }
 
 template <typename E>
@@ -304,18 +317,20 @@ void write_rows(const float* x, const float* c, const float* s, float* qp, const
 
 }  // namespace
 
-// q [T, H, D] float32; k, v [slots, H_kv, S, D] both float32 or both float16 (rows of D contiguous); slot, cached, base, bits [T] int64
+// q [T, H, D] float32, float16 or bfloat16 (the output's type); k, v [slots, H_kv, S, D] all float32, float16 or
+// bfloat16 (rows of D contiguous); slot, cached, base, bits [T] int64
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slot,
                      const torch::Tensor& cached, const torch::Tensor& base, const torch::Tensor& bits) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat, "attend: q [T, H, D] float32");
-  const auto qc = q.contiguous();
+  TORCH_CHECK(q.dim() == 3 && (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kHalf ||
+                               q.scalar_type() == torch::kBFloat16), "attend: q [T, H, D] float32, float16 or bfloat16");
+  const auto qc = q.to(torch::kFloat).contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   check_rows(k, v, T, slot, cached, base, bits);
   TORCH_CHECK(k.size(3) == D && H % k.size(1) == 0, "attend: head sizes");
-  auto out = torch::empty({T, H, D}, q.options());
+  auto out = torch::empty({T, H, D}, qc.options());
   attend_any(qc.data_ptr<float>(), T, H, D, k, v, slot.data_ptr<int64_t>(), cached.data_ptr<int64_t>(),
              base.data_ptr<int64_t>(), bits.data_ptr<int64_t>(), out.data_ptr<float>());
-  return out;
+  return q.scalar_type() == torch::kFloat ? out : out.to(q.scalar_type());
 }
 
 // One layer's attention block after the QKV projection, for every row of a forward: RoPE on the q and k heads
@@ -340,6 +355,9 @@ torch::Tensor rope_attend(const torch::Tensor& qkv, const torch::Tensor& cos, co
   if (k.scalar_type() == torch::kHalf)
     write_rows<at::Half>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), k,
                          v, slot_p, pos_p, T, H, Hkv, D);
+  else if (k.scalar_type() == torch::kBFloat16)
+    write_rows<at::BFloat16>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(),
+                             k, v, slot_p, pos_p, T, H, Hkv, D);
   else
     write_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), k, v,
                       slot_p, pos_p, T, H, Hkv, D);

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu as cpu_kernels
 from kernels.kv_compact import kv_compact, kv_compact_ref
 from kernels.tree_attention import tree_attention, tree_attention_batched, tree_mask_to_bool
 
@@ -232,6 +233,19 @@ def make_batched_kernel_attention(slots: torch.Tensor, cache_lens: torch.Tensor,
     layer of the pool k/v [num_slots, H_kv, S, D] -> [T, H, D]; the per-sequence layout is built once per step."""
     def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
         return tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal)
+
+    return attention
+
+
+def make_row_kernel_attention(slot: torch.Tensor, cached: torch.Tensor, base: torch.Tensor, bits: torch.Tensor):
+    """Attention for rows of any sequences in one C++ call per layer (``kernels.cpu.attend``; CPU, 16-bit dtypes):
+    q [n, H, D] and one layer of the pool k/v [num_slots, H_kv, S, D] -> [n, H, D]. Row t reads slot ``slot[t]``'s
+    rows 0 .. cached[t] - 1, then rows base[t] + j for each bit j of bits[t] (its ancestors in a draft tree). A row's
+    bits depend on its query and those keys only, so a draft row equals the decode step at its position whatever
+    shares the call, with no padding or gathers; its arithmetic is float32 (the scores of the batched-matmul form
+    are rounded to 16 bits)."""
+    def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.attend(q, k_layer, v_layer, slot, cached, base, bits)
 
     return attention
 

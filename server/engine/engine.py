@@ -26,8 +26,9 @@ from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
+from kernels import cpu as cpu_kernels
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
-                                   make_decode_group_attention)
+                                   make_decode_group_attention, make_row_kernel_attention)
 from server.engine.constrained import constrain_tree
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
 from server.engine.model import CpuRows, RowGroup, Segment
@@ -49,6 +50,10 @@ class Engine:
         # the quantized CPU target in float32: every row through the row-invariant C++ attention, K/V kept in float16
         self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
         kv_dtype = torch.float16 if self.exact_cpu else self.dtype
+        # a 16-bit CPU target where the C++ kernels load: every row after a cached prefix (decode steps, draft trees,
+        # later prompt chunks) of every sequence through their row-invariant attention, one call per layer
+        self.row_kernel = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+                           and cpu_kernels.load() is not None)
         self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
         # lower layers the drafter reads: their residual stream is kept beside the last layer's, per cached token
         self.taps = tuple(getattr(self.drafter, "target_taps", ()))
@@ -230,6 +235,18 @@ class Engine:
             return self.model(ids, positions, [], None, self._cpu_rows(parts), taps)
         if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
             segments, group = [], self._kernel_group(parts)
+        elif self.row_kernel:  # a prompt's first chunk: causal SDPA; every other row: the C++ attention
+            segments, rest, start = [], [], 0
+            for part in parts:
+                seq, tokens, _, tree_mask = part
+                n = len(tokens)
+                if seq.cache_len == 0 and tree_mask is None and n > 1:
+                    segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot], 0,
+                                            None, make_attention(self.device, 0, n, None, self.dtype)))
+                else:
+                    rest.append((start, part))
+                start += n
+            group = self._row_kernel_group(rest, start) if rest else None
         else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
             # small ops per layer each); trees and prompt chunks attend per sequence
             batch_decodes = sum(len(p[1]) == 1 for p in parts) > 1
@@ -253,23 +270,18 @@ class Engine:
         return self.model(ids, positions, segments, group, taps=taps)  # [T, hidden]
 
     def _cpu_rows(self, parts) -> CpuRows:
-        """Where the quantized CPU target's rows go and what they read: causal rows (prompt chunks, decode steps)
-        read their slot up to themselves in place, tree rows the cached prefix and then their ancestors."""
-        slot, pos, cached, base, bits = [], [], [], [], []
-        for seq, toks, _, tree_mask in parts:
-            n, c = len(toks), seq.cache_len
-            slot += [seq.slot] * n
-            pos += range(c, c + n)
-            if tree_mask is None:
-                cached += range(c + 1, c + n + 1)
-                base += [0] * n
-                bits += [0] * n
-            else:
-                cached += [c] * n
-                base += [c] * n
-                bits += tree_mask.tolist()
-        t = torch.tensor
-        return CpuRows(self.pool.k, self.pool.v, t(slot), t(pos), t(cached), t(base), t(bits))
+        """Every row of the quantized CPU target's forward (``_row_specs``)."""
+        return CpuRows(self.pool.k, self.pool.v, *_row_specs(parts))
+
+    def _row_kernel_group(self, parts: list[tuple[int, tuple]], num_rows: int) -> RowGroup:
+        """The rows of ``parts`` ([(first row in the forward, part)]) for the C++ attention (``_row_specs``); all of
+        the forward's ``num_rows`` rows as a slice where no other row shares the forward."""
+        slot, pos, cached, base, bits = _row_specs([part for _, part in parts])
+        if len(slot) == num_rows:
+            rows = slice(0, num_rows)
+        else:
+            rows = torch.tensor([r for start, part in parts for r in range(start, start + len(part[1]))])
+        return RowGroup(rows, slot, pos, self.pool.k, self.pool.v, make_row_kernel_attention(slot, cached, base, bits))
 
     def _kernel_group(self, parts) -> RowGroup:
         """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the
@@ -556,3 +568,25 @@ def logprob_entries(lp: torch.Tensor, tokens: list[int], top: int) -> list[tuple
         return [(c, []) for c in chosen]
     vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
+
+
+def _row_specs(parts) -> tuple[torch.Tensor, ...]:
+    """Where the rows of ``parts`` ([(seq, tokens, positions, tree_mask)]) go and what they read, for the C++
+    attention (``kernels.cpu.attend``): slot, pos, cached, base, bits, int64 [rows] each on the CPU. Causal rows
+    (prompt chunks, decode steps) read their slot up to themselves in place, tree rows the cached prefix and then
+    their ancestors."""
+    slot, pos, cached, base, bits = [], [], [], [], []
+    for seq, toks, _, tree_mask in parts:
+        n, c = len(toks), seq.cache_len
+        slot += [seq.slot] * n
+        pos += range(c, c + n)
+        if tree_mask is None:
+            cached += range(c + 1, c + n + 1)
+            base += [0] * n
+            bits += [0] * n
+        else:
+            cached += [c] * n
+            base += [c] * n
+            bits += tree_mask.tolist()
+    t = torch.tensor
+    return t(slot), t(pos), t(cached), t(base), t(bits)

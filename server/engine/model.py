@@ -46,7 +46,7 @@ class RowGroup:
     batch goes to cache row ``positions[i]`` of slot ``slots[i]``. On CPU the decode steps of a batch; on CUDA every
     row of a multi-sequence step (the batched Triton kernel)."""
 
-    rows: torch.Tensor       # [n] long
+    rows: "torch.Tensor | slice"  # [n] long, or a slice of the batch
     slots: torch.Tensor      # [n] long
     positions: torch.Tensor  # [n] long
     k: torch.Tensor          # [L, num_slots, H_kv, S, D], the whole pool
@@ -92,12 +92,17 @@ class Block(nn.Module):
             qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
-        o = None if len(segments) == 1 and group is None else qkv.new_empty(T, H, a.head_dim)
+        alone = group is None if segments else isinstance(group.rows, slice)  # one call gives every row's output
+        o = None if alone and len(segments) < 2 else qkv.new_empty(T, H, a.head_dim)
         if group is not None:
             k_layer, v_layer = group.k[layer], group.v[layer]  # [num_slots, H_kv, S, D]
             k_layer[group.slots, :, group.positions] = qk[group.rows, H:]
             v_layer[group.slots, :, group.positions] = qkv[group.rows, H + H_kv:]
-            o[group.rows] = group.attention(qk[group.rows, :H], k_layer, v_layer)
+            out = group.attention(qk[group.rows, :H], k_layer, v_layer)
+            if o is None:
+                o = out
+            else:
+                o[group.rows] = out
         for s in segments:  # attention reads each sequence's own KV; the matmuls around it take every row at once
             k_cache, v_cache, n = s.k[layer], s.v[layer], s.end - s.start
             # New rows go right after the prefix; acceptance later compacts the accepted ones into place.

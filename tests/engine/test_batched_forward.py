@@ -13,7 +13,7 @@ from core.tree import DraftTree
 from server.config import config_from_dict
 from server.engine import Engine, StepPlan, load_target
 from tests.conftest import write_tiny_llama
-from tests.engine.test_perf_paths import needs_row_invariance
+from tests.engine.test_perf_paths import attention16, engine16, needs_row_invariance  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +59,10 @@ def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny_engine):
 
 @pytest.mark.slow
 @needs_row_invariance
-def test_decode_steps_of_several_sequences_attend_together_bitwise_in_bf16():
+def test_decode_steps_of_several_sequences_attend_together_bitwise_in_bf16(attention16):
     cfg = config_from_dict({"model": {"dtype": "bfloat16", "device": "cpu"},
                             "cache": {"num_slots": 5, "max_seq_len": 512}})
-    engine = Engine(cfg, target=load_target(cfg, progress=False))
+    engine = engine16(cfg, load_target(cfg, progress=False), attention16)
     g = torch.Generator().manual_seed(0)
     seqs = []
     for n in (5, 63, 64, 100, 130):  # padded key counts 64, 64, 128, 128, 192

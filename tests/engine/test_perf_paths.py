@@ -3,7 +3,8 @@
 - every linear path computes x @ W.T, and in bfloat16 gives a row the same bits whatever the row count;
 - every CPU attention call shape (prefill, decode, chain rows, tree rows with gathered keys or in one multi-row call,
   keys padded up to the end of the KV slot) agrees with the plain-torch reference;
-- bfloat16 on the default model: the rows of a draft chain (and of a few-branch tree) get bit-identical logits to
+- bfloat16 on the default model, through either CPU attention (the C++ kernel where it loads, else the batched
+  matmuls of the decode form): the rows of a draft chain (and of a few-branch tree) get bit-identical logits to
   plain decode steps, so greedy ngram speculation emits exactly the plain decoding tokens (in float32
   test_speculative_greedy covers this).
 The bit-exactness tests skip where none of this CPU's bfloat16 matmul kernels (core.ops.LINEAR_KERNELS) is
@@ -18,6 +19,7 @@ from core import ops
 from core.ops import linear
 from core.tree import DraftTree
 from drafters.base import create_drafter
+from kernels import cpu as cpu_kernels
 from kernels.tree_attention import ancestor_bitmask, tree_attention_ref
 from server.config import config_from_dict
 from server.engine.backend import EXACT_MAX_ROWS, make_attention
@@ -135,10 +137,29 @@ def target16():
     return cfg, load_target(cfg, progress=False)
 
 
+@pytest.fixture(params=["kernel", "matmuls"])
+def attention16(request):
+    """Which CPU attention a 16-bit engine runs: the C++ kernel (one call per layer for every row after a cached
+    prefix) or, where the kernel does not load, the decode form's batched matmuls."""
+    if request.param == "kernel" and cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")
+    return request.param
+
+
+def engine16(cfg, target, attention: str, drafter=None) -> Engine:
+    engine = Engine(cfg, drafter, target)
+    assert engine.row_kernel == (cpu_kernels.load() is not None)  # the kernel wherever it loads
+    engine.row_kernel = attention == "kernel"
+    return engine
+
+
 @needs_row_invariance
-def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer):
+def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer, attention16, monkeypatch):
     cfg, target = target16
-    engine = Engine(cfg, target=target)
+    engine = engine16(cfg, target, attention16)
+    calls = []
+    attend = cpu_kernels.attend
+    monkeypatch.setattr(cpu_kernels, "attend", lambda q, *a: calls.append(q.shape[0]) or attend(q, *a))
     ids = encode_chat(tokenizer, [{"role": "user", "content": "List three uses of a paperclip."}])
     seq = engine.add(ids, max_new_tokens=200)
     engine.prefill(seq)
@@ -159,8 +180,11 @@ def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer):
         tree = DraftTree([root, *chain[:3], 7, chain[3], chain[4]], [-1, 0, 1, 2, 1, 3, 5])  # 2 leaves: 4 and 6
         tree_logits, _ = engine.verify(seq, tree)
         big = DraftTree([root, *chain[:3], 7, chain[3], 8, chain[4], 9], [-1, 0, 1, 2, 1, 3, 0, 5, 2])  # 4 leaves
+        calls.clear()
         big_logits, _ = engine.verify(seq, big)
     engine.release(seq)
+    # the kernel: every row of the tree in one call per layer
+    assert calls == ([9] * target.args.num_layers if attention16 == "kernel" else [])
     assert torch.equal(chain_logits, torch.stack(decoded))
     assert torch.equal(tree_logits[:4], torch.stack(decoded[:4]))  # rows 0..3 are a chain from the root
     # rows 5 and 6 are further decode steps on the chain, behind branch row 4: their ancestors sit at other cache
@@ -173,11 +197,11 @@ def test_bf16_chain_rows_equal_decode_steps_bitwise(target16, tokenizer):
 
 
 @needs_row_invariance
-def test_bf16_ngram_equals_plain(target16, tokenizer):
+def test_bf16_ngram_equals_plain(target16, tokenizer, attention16):
     cfg, target = target16
     stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
-    plain = Engine(cfg, target=target)
-    ngram = Engine(cfg, create_drafter("ngram", target, {"num_tokens": 6}), target)
+    plain = engine16(cfg, target, attention16)
+    ngram = engine16(cfg, target, attention16, create_drafter("ngram", target, {"num_tokens": 6}))
     accepted = 0
     for text in ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
                  "Write a Python function that checks whether a number is prime."]:

@@ -1,6 +1,7 @@
-"""The quantized CPU target's float32 attention (kernels/cpu/attention.cpp): values against softmax attention, and a
-row's bits set by its own query and keys alone, so that prompt rows, draft-tree rows and batched decode steps equal
-the decode step at their position."""
+"""The CPU targets' row-invariant attention (kernels/cpu/attention.cpp; the quantized float32 target's with float16
+K/V, the bfloat16 target's with bfloat16 K/V and queries): values against softmax attention, and a row's bits set by
+its own query and keys alone, so that prompt rows, draft-tree rows and batched decode steps equal the decode step at
+their position."""
 from __future__ import annotations
 
 import math
@@ -16,10 +17,11 @@ L = torch.long
 NS, HKV, S, D, H = 3, 3, 160, 64, 9
 
 
-@pytest.fixture(params=[torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.fixture(params=[torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
 def pool(request):
-    """A layer of the KV pool, float32 or float16 (the quantized CPU target stores K/V in float16; the kernel widens
-    each row exactly on load, so the reference reads the same rounded values)."""
+    """A layer of the KV pool, float32, float16 or bfloat16 (the quantized CPU target stores K/V in float16, the
+    bfloat16 target in bfloat16; the kernel widens each row exactly on load, so the reference reads the same rounded
+    values)."""
     g = torch.Generator().manual_seed(0)
     return (torch.randn(NS, HKV, S, D, generator=g).to(request.param),
             torch.randn(NS, HKV, S, D, generator=g).to(request.param))
@@ -76,6 +78,20 @@ def test_tree_rows_equal_the_decode_steps_at_their_positions(pool):
             assert torch.equal(out[row], decode(q[row], kc, vc, 1, c + depth)), (leaf, row)
 
 
+def test_16_bit_queries_are_widened_and_the_output_rounded_once(pool):
+    """The bfloat16 target passes its own queries: the kernel computes in float32 from their exact values and
+    returns the output in the query's type."""
+    k, v = pool
+    T, c = 5, 70
+    bits = ancestor_bitmask([-1, 0, 1, 0, 3])
+    specs = (torch.full((T,), 2), torch.full((T,), c), torch.full((T,), c), bits)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(T, H, D).to(dtype)
+        out = cpu.attend(q, k, v, *specs)
+        assert out.dtype == dtype
+        assert torch.equal(out, cpu.attend(q.float(), k, v, *specs).to(dtype))
+
+
 def test_causal_prompt_rows_and_batched_decodes_equal_lone_decode_steps(pool):
     k, v = pool
     T, c = 40, 17
@@ -107,8 +123,10 @@ def test_rope_attend_writes_rotated_keys_and_values_in_the_pools_type_then_atten
                                  positions + 1, torch.zeros(T, dtype=L), torch.zeros(T, dtype=L), H)
     heads = qkv.view(T, H + 2 * HKV, D)
     rotated = apply_rope(heads[:, :H + HKV], cos, sin)
-    # the rotation may round once where torch rounds twice (a fused multiply-add): within float32's last bits
-    torch.testing.assert_close(k[1, :, c:c + T], rotated[:, H:].transpose(0, 1).to(k.dtype), rtol=0, atol=1e-6)
+    # the rotation may round once where torch rounds twice (a fused multiply-add): within float32's last bits, so
+    # within one step of bfloat16's 8-bit mantissa where that rounding lands near a boundary
+    tol = dict(rtol=2 ** -7, atol=0) if k.dtype == torch.bfloat16 else dict(rtol=0, atol=1e-6)
+    torch.testing.assert_close(k[1, :, c:c + T], rotated[:, H:].transpose(0, 1).to(k.dtype), **tol)
     assert torch.equal(v[1, :, c:c + T], heads[:, H + HKV:].transpose(0, 1).to(v.dtype))
     assert k.dtype == pool[0].dtype and not k[1, :, c + T:].ne(pool[0][1, :, c + T:]).any()  # nothing else written
     want = cpu.attend(rotated[:, :H].contiguous(), k, v, slot, positions + 1, torch.zeros(T, dtype=L),
