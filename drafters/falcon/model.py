@@ -35,6 +35,7 @@ from torch import nn
 from core.ops import Rope, apply_rope, linear, rms_norm
 
 from drafters.checkpoint import check_target, default_path, read_model, save_checkpoint
+from kernels import cpu as cpu_kernels
 
 
 class FalconCheckpointError(RuntimeError):
@@ -165,17 +166,20 @@ class FalconModel(nn.Module):
         qkv = linear(rms_norm(x, self.attn_norm, c.rms_norm_eps), self.wqkv).view(T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
         q, k, v = qk[:, :H], qk[:, H:].transpose(0, 1), qkv[:, H + Hkv:].transpose(0, 1)
+        o = None
         if cache is not None:
             kc, vc = cache
             kc[:, cache_len:cache_len + T] = k
             vc[:, cache_len:cache_len + T] = v
             if kv_only:
                 return None
+            o = _cache_attention(q, kc, vc, cache_len + T, visible)
             k, v = kc[:, :cache_len + T], vc[:, :cache_len + T]
-        g = H // Hkv
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(g, 0), v.repeat_interleave(g, 0),
-                                           attn_mask=visible)  # [H, T, D]
-        x = x + linear(o.transpose(0, 1).reshape(T, -1), self.wo)
+        if o is None:
+            g = H // Hkv
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(g, 0),
+                                               v.repeat_interleave(g, 0), attn_mask=visible).transpose(0, 1)
+        x = x + linear(o.reshape(T, -1), self.wo)
         gate, up = linear(rms_norm(x, self.mlp_norm, c.rms_norm_eps), self.w_gate_up).chunk(2, dim=-1)
         x = x + linear(F.silu(gate) * up, self.w_down)
         return rms_norm(x, self.out_norm, c.rms_norm_eps)
@@ -198,6 +202,27 @@ class FalconModel(nn.Module):
     @classmethod
     def load(cls, path: Path) -> "FalconModel":
         return read_model(cls, FalconConfig, path, "falcon_config", FalconCheckpointError, "Falcon checkpoint")
+
+
+def _cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int,
+                     visible: torch.Tensor | None) -> torch.Tensor | None:
+    """Drafting's attention on CPU through ``kernels.cpu.attend`` (float32 arithmetic, no copies of the cache per
+    head; SDPA's CPU path for a boolean mask cost about a quarter of a drafter forward): q [T, H, D] over the cache
+    rows [0, n_keys) of k, v [H_kv, S, D] that ``visible`` [T, n_keys] shows each row (None: all of them) -> [T, H, D].
+    None where the kernel does not serve: not a CPU, not loaded, or a row sees more than 63 rows past the keys that
+    every row sees (the kernel lists those as bits)."""
+    if q.device.type != "cpu" or cpu_kernels.load() is None:
+        return None
+    T = q.shape[0]
+    if visible is None:
+        shared, bits = n_keys, torch.zeros(T, dtype=torch.long)
+    else:
+        shared = int(visible.all(0).cumprod(0).sum())  # the leading keys every row sees, read in place
+        if n_keys - shared > 63:
+            return None
+        bits = (visible[:, shared:].long() << torch.arange(n_keys - shared)).sum(1)
+    cached = torch.full((T,), shared, dtype=torch.long)
+    return cpu_kernels.attend(q, k[None], v[None], torch.zeros(T, dtype=torch.long), cached, cached, bits)
 
 
 def default_checkpoint(target_id: str) -> Path:

@@ -1,9 +1,10 @@
-"""The CPU kernels of the quantized target, in C++ with AVX-512:
+"""The CPU kernels, in C++ with AVX-512, of the quantized target (and the attention of 16-bit targets):
 
 - ``qlinear.cpp``, the block-quantized linear layer: int4 / int8 weight codes per block of 32 input columns, times
   activations quantized to int8 per row and block, for every row of a step in one pass over the weights;
-- ``attention.cpp``, float32 attention whose result for a row depends on that row's query and keys only (``attend``),
-  and with RoPE and the K/V writes before it (``rope_attend``, which the decoder calls);
+- ``attention.cpp``, attention computed in float32 whose result for a row depends on that row's query and keys only
+  (``attend``; float32, float16 or bfloat16 K/V and queries: the 16-bit targets' engine calls it), and with RoPE and
+  the K/V writes before it (``rope_attend``, which the decoder calls);
 - ``decoder.cpp``, the decoder layers of such a model in one call per forward (``decoder``).
 
 Both give a row the same bits whatever else shares the call, which is what lets a verified draft row stand for a
@@ -193,7 +194,8 @@ class BlockQuantWeight:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, cached: torch.Tensor,
            base: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """q [T, H, D], one layer of the KV pool k, v [slots, H_kv, S, D] (float32 or float16) -> [T, H, D]. Row t
+    """q [T, H, D], one layer of the KV pool k, v [slots, H_kv, S, D] (float32, float16 or bfloat16) -> [T, H, D] in
+    q's dtype (float32, float16 or bfloat16; the arithmetic is float32 whatever the types). Row t
     attends to the cache rows 0 .. cached[t] - 1 of slot slot[t], then to rows base[t] + j for each bit j of bits[t]
     (int64 [T] each)."""
     return load().attend(q, k, v, slot, cached, base, bits)

@@ -1,9 +1,10 @@
 """Where the engine picks its attention and KV-compaction implementations.
 
-CUDA runs the Triton kernels (one launch per layer for all rows of a multi-sequence step); CPU runs PyTorch's SDPA
-(masks built once per forward and shared by every layer), batched matmuls for decode steps, and the plain-torch
-compaction reference. Kernel choice lives here, at the call site, so the model code stays plain
-eager PyTorch.
+CUDA runs the Triton kernels (one launch per layer for all rows of a multi-sequence step). A 16-bit CPU target
+runs the C++ row-invariant attention (``make_row_kernel_attention``) for every row after a cached prefix where it
+loads, and SDPA for a prompt's first chunk. Elsewhere CPU runs PyTorch's SDPA (masks built once per forward and
+shared by every layer), batched matmuls for decode steps (below), and the plain-torch compaction reference. Kernel
+choice lives here, at the call site, so the model code stays plain eager PyTorch.
 
 CPU decode steps and draft rows ("decode form"). SDPA's CPU kernel is not row-invariant: a query row's low bits
 depend on how many rows share the call, on the key count and on the mask. In bfloat16 one last-bit difference is

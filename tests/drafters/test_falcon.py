@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from core.ops import LlamaArgs
 from core.sampling import SamplingParams, race, target_probs, token_clocks
@@ -15,6 +16,7 @@ from drafters.base import create_drafter
 from drafters.falcon.drafter import FalconDrafter, load_falcon
 from drafters.falcon.model import (
     FalconCheckpointError,
+    _cache_attention,
     FalconConfig,
     FalconModel,
     block_ids,
@@ -223,6 +225,39 @@ def test_greedy_tree_is_the_cartesian_product_of_one_forward(tiny_dir, tiny, tin
         assert first == vocab[torch.topk(probs[0], 3).indices].tolist()
         assert second[:2] == vocab[torch.topk(probs[1], 2).indices].tolist()
         engine.release(seq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_attention_through_the_cpu_kernel_is_the_masked_softmax(dtype):
+    """Drafting reads its cache through kernels.cpu.attend where it loads: every row's visible keys (all of them, or
+    the verified prefix plus its ancestors), as SDPA computes them; None where a row's own keys do not fit its bits."""
+    from kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip(f"CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, D, S, n = 4, 6, 2, 64, 256, 150
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    visible = torch.zeros(T, n + 10, dtype=torch.bool)
+    visible[:, :n] = True  # the verified prefix
+    visible[:2, [n + 1, n + 3, n + 6]] = True  # ancestors among the drafted rows, then each block's own rows
+    visible[2:, [n + 2, n + 5, n + 8, n + 9]] = True
+
+    def sdpa(keys, mask):
+        o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k[:, :keys].float().repeat_interleave(3, 0),
+                                           v[:, :keys].float().repeat_interleave(3, 0), attn_mask=mask)
+        return o.transpose(0, 1)
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # the kernel rounds its float32 output to the query's type once
+    for keys, mask in ((n + 10, visible), (n + 4, None)):
+        out = _cache_attention(q, k, v, keys, mask)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), sdpa(keys, mask), atol=tol, rtol=0)
+    wide = torch.zeros(T, n + 70, dtype=torch.bool)
+    wide[:, :n] = True
+    wide[:, n + 65] = True  # 66 keys past the shared prefix: more than a row's bits hold
+    assert _cache_attention(q, k, v, n + 70, wide) is None
 
 
 @pytest.mark.parametrize("k,top_m,forwards,width,max_rows,next_top_m", [
