@@ -22,11 +22,11 @@ from core.ops import top1
 from core.sampling import SamplingParams, Shaper, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
+from kernels import cpu as cpu_kernels
 from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
-from kernels import cpu as cpu_kernels
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention, make_row_kernel_attention)
 from server.engine.constrained import constrain_tree

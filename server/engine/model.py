@@ -43,8 +43,9 @@ class Segment:
 @dataclass
 class RowGroup:
     """Rows of several sequences whose K/V writes and attention run as one call per layer: row ``rows[i]`` of the
-    batch goes to cache row ``positions[i]`` of slot ``slots[i]``. On CPU the decode steps of a batch; on CUDA every
-    row of a multi-sequence step (the batched Triton kernel)."""
+    batch goes to cache row ``positions[i]`` of slot ``slots[i]``. On CPU the decode steps of a batch (16-bit targets
+    with the C++ attention: every row after a cached prefix); on CUDA every row of a multi-sequence step (the batched
+    Triton kernel)."""
 
     rows: "torch.Tensor | slice"  # [n] long, or a slice of the batch
     slots: torch.Tensor      # [n] long
