@@ -93,8 +93,9 @@ class Block(nn.Module):
             qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
         qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
-        alone = group is None if segments else isinstance(group.rows, slice)  # one call gives every row's output
-        o = None if alone and len(segments) < 2 else qkv.new_empty(T, H, a.head_dim)
+        # one attention call gives every row's output: a lone segment, or a group of the whole batch
+        whole_group = group is not None and not segments and isinstance(group.rows, slice)
+        o = None if (len(segments) == 1 and group is None) or whole_group else qkv.new_empty(T, H, a.head_dim)
         if group is not None:
             k_layer, v_layer = group.k[layer], group.v[layer]  # [num_slots, H_kv, S, D]
             k_layer[group.slots, :, group.positions] = qk[group.rows, H:]
