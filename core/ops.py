@@ -18,8 +18,20 @@ from torch import nn
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# The decoder families that load, by config.json's ``model_type`` (a GGUF file's ``general.architecture`` maps onto
+# these when it is converted). Each is the Llama decoder plus the changes ``LlamaArgs`` names; this is the one place
+# that says which family changes what (``_family_changes``).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint this server cannot run: the message names what and, for an architecture, the supported list."""
+
+
 @dataclass(frozen=True)
 class LlamaArgs:
+    """A decoder's shape, plus what its family changes from Llama (defaults: Llama, SmolLM, Mistral)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,31 +46,111 @@ class LlamaArgs:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    family: str = "llama"
+    qkv_bias: bool = False        # Qwen2: biases on the q, k and v projections
+    qk_norm: bool = False         # Qwen3, Gemma 3: RMSNorm over each query and key head before RoPE
+    act: str = "silu"             # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    sandwich_norms: bool = False  # Gemma 3: RMSNorm on the attention and MLP outputs too, before each residual add
+    norm_plus_one: bool = False   # Gemma: RMSNorm scales by (1 + w); folded into the weights at load
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden)
+    attn_scale: float | None = None   # the softmax scale where it is not head_dim ** -0.5 (Gemma 3)
+    sliding_window: int | None = None  # keys further back than this are not attended to, on ``sliding_layers``
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, where it differs (Gemma 3)
+
+    @property
+    def plain_block(self) -> bool:
+        """Every layer is Llama's: what the quantized CPU target's fused C++ decoder computes."""
+        return not (self.qkv_bias or self.qk_norm or self.act != "silu" or self.sandwich_norms
+                    or self.attn_scale is not None)
+
+    @property
+    def layer_rope(self) -> tuple[bool, ...]:
+        """Per layer: True where it takes the local (sliding layers') RoPE table."""
+        local = set(self.sliding_layers) if self.local_rope_theta is not None else set()
+        return tuple(i in local for i in range(self.num_layers))
+
+    def check_context(self, max_seq_len: int) -> None:
+        """A clear error where ``cache.max_seq_len`` is more than this model can attend to as served: past its
+        trained positions, or past a sliding window (served as full attention, which equals the window only while
+        every sequence fits inside it)."""
+        if max_seq_len > self.max_position_embeddings:
+            raise UnsupportedModel(
+                f"cache.max_seq_len {max_seq_len} is longer than the model's context ({self.max_position_embeddings} "
+                "positions, max_position_embeddings): set cache.max_seq_len to at most that")
+        if self.sliding_layers and self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise UnsupportedModel(
+                f"this {self.family} model attends through a sliding window of {self.sliding_window} tokens on "
+                f"{len(self.sliding_layers)} of its {self.num_layers} layers, which specserve serves as full attention "
+                f"only within the window: set cache.max_seq_len to at most {self.sliding_window}")
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaArgs":
-        if c.get("model_type", "llama") != "llama" or c.get("attention_bias") \
-                or c.get("mlp_bias"):
-            raise ValueError(f"unsupported architecture: model_type={c.get('model_type')!r} "
-                             "(a Llama-family decoder without biases is supported)")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {c.get('hidden_act')!r}")
+        family = c.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise UnsupportedModel(f"unsupported architecture: model_type={family!r} "
+                                   f"(supported: {', '.join(FAMILIES)})")
+        n_heads = c["num_attention_heads"]
+        n_layers = c["num_hidden_layers"]
         rope = dict(c.get("rope_parameters") or {})
+        local_rope = None
+        if "full_attention" in rope or "sliding_attention" in rope:  # per layer type (transformers 5: Gemma 3)
+            local_rope = dict(rope.get("sliding_attention") or {})
+            rope = dict(rope.get("full_attention") or {})
         theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
         scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = c.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        n_heads = c["num_attention_heads"]
-        return cls(
+        shape = dict(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"], num_heads=n_heads,
-            num_kv_heads=c.get("num_key_value_heads") or n_heads,
+            num_layers=n_layers, num_heads=n_heads, num_kv_heads=c.get("num_key_value_heads") or n_heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", family == "gemma3_text")),
             max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-        )
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids, family=family)
+        return cls(**shape, **_family_changes(family, c, shape, local_rope))
+
+
+def _family_changes(family: str, c: dict, shape: dict, local_rope: dict | None) -> dict:
+    """What ``family`` changes from the Llama decoder, read from its config.json (``c``)."""
+    if c.get("mlp_bias") or (c.get("attention_bias") and family != "qwen2"):
+        raise UnsupportedModel(f"unsupported {family} variant: attention_bias / mlp_bias on every projection")
+    act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
+    acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise UnsupportedModel(f"unsupported {family} activation hidden_act={act!r} "
+                               "(supported: silu, gelu_pytorch_tanh)")
+    n_layers = shape["num_layers"]
+    types = c.get("layer_types")
+    if types is None and family in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+        first = int(c.get("max_window_layers", n_layers))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if types is None and family == "mistral" and c.get("sliding_window") is not None:
+        types = ["sliding_attention"] * n_layers
+    if types is None and family == "gemma3_text":
+        pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+    sliding = tuple(i for i, t in enumerate(types or ()) if t == "sliding_attention")
+    out = dict(act=acts[act], sliding_layers=sliding, sliding_window=c.get("sliding_window") if sliding else None)
+    if family == "qwen2":
+        out["qkv_bias"] = True
+    if family == "qwen3":
+        out["qk_norm"] = True
+    if family == "gemma3_text":
+        for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if c.get(cap) is not None:
+                raise UnsupportedModel(f"unsupported gemma3_text variant: {cap}={c[cap]}")
+        if c.get("use_bidirectional_attention"):
+            raise UnsupportedModel("unsupported gemma3_text variant: use_bidirectional_attention")
+        local = (local_rope or {}).get("rope_theta", c.get("rope_local_base_freq", 10000.0))
+        if (local_rope or {}).get("rope_type", "default") != "default":
+            raise UnsupportedModel("unsupported gemma3_text variant: a scaled RoPE on the sliding layers")
+        scalar = float(c.get("query_pre_attn_scalar", shape["head_dim"]))
+        out.update(qk_norm=True, sandwich_norms=True, norm_plus_one=True, embed_scale=shape["hidden_size"] ** 0.5,
+                   local_rope_theta=float(local),
+                   attn_scale=None if scalar == shape["head_dim"] else scalar ** -0.5)
+    return out
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:

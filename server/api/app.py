@@ -111,6 +111,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir)
     tokenizer = load_tokenizer(resolved.hf_dir)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
+    args.check_context(cfg.cache.max_seq_len)  # before the worker loads anything
     server: uvicorn.Server | None = None
 
     def on_death():

@@ -47,8 +47,9 @@ class Engine:
         self.model = target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype
-        # the quantized CPU target in float32: every row through the row-invariant C++ attention, K/V kept in float16
-        self.exact_cpu = self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
+        # the quantized CPU target in float32 (Llama's layer): every row through the row-invariant C++ attention, K/V kept in float16
+        self.exact_cpu = (self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
+                          and a.plain_block)  # the fused C++ decoder computes Llama's layer only
         kv_dtype = torch.float16 if self.exact_cpu else self.dtype
         # a 16-bit CPU target where the C++ kernels load: every row after a cached prefix (decode steps, draft trees,
         # later prompt chunks) of every sequence through their row-invariant attention, one call per layer

@@ -1,7 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA) written for tree verification.
+"""A Llama-family decoder written for tree verification: Llama 2 / 3, SmolLM, Mistral, Qwen2 / 2.5, Qwen3, Gemma 3.
 
 Reimplements transformers' ``LlamaForCausalLM`` forward (RMSNorm, RoPE with the model's theta and scaling, GQA
-attention, SwiGLU MLP, tied or untied LM head) so that attention can go through our own kernels: every forward
+attention, SwiGLU MLP, tied or untied LM head) and what the other families change from it (``core.ops.LlamaArgs``:
+q/k/v biases, q/k norms, GeGLU, norms around each sublayer, scaled embeddings, a second RoPE table for sliding
+layers, another softmax scale) so that attention can go through our own kernels: every forward
 takes a set of new rows (1 = decode, many + causal = prefill, a draft tree = verification), writes their K/V into
 the sequence's KV slot right after the cached prefix, and attends to prefix + visible new rows.
 
@@ -10,6 +12,7 @@ through nn.Module: on a 2-core CPU the per-op overhead of a 30-layer model is a 
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -81,6 +84,16 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
         self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        if a.qkv_bias:
+            self.qkv_bias = nn.Parameter(torch.zeros(qkv_out))
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(a.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+        if a.sandwich_norms:  # Gemma: the attention and MLP outputs are normed before each residual add
+            self.attn_out_norm = nn.Parameter(torch.ones(a.hidden_size))
+            self.mlp_out_norm = nn.Parameter(torch.ones(a.hidden_size))
+        # q's factor that makes the kernels' head_dim ** -0.5 softmax scale the family's own
+        self.q_factor = None if a.attn_scale is None else a.attn_scale * a.head_dim ** 0.5
 
     def forward(self, x, cos, sin, layer: int, segments: list[Segment], group: RowGroup | None = None):
         a = self.a
@@ -91,8 +104,16 @@ class Block(nn.Module):
             qkv = self.wqkv.weight.fused(x, self.attn_norm, a.rms_norm_eps)
         else:
             qkv = linear(rms_norm(x, self.attn_norm, a.rms_norm_eps), self.wqkv.weight)  # [T, (H + 2 H_kv) D]
+        if a.qkv_bias:
+            qkv = qkv + self.qkv_bias
         qkv = qkv.view(T, H + 2 * H_kv, a.head_dim)
-        qk = apply_rope(qkv[:, :H + H_kv], cos, sin)  # q and k heads are adjacent: one rotation for both
+        qk = qkv[:, :H + H_kv]
+        if a.qk_norm:  # per head, before RoPE
+            qk = torch.cat([rms_norm(qk[:, :H], self.q_norm, a.rms_norm_eps),
+                            rms_norm(qk[:, H:], self.k_norm, a.rms_norm_eps)], dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads are adjacent: one rotation for both
+        if self.q_factor is not None:
+            qk = torch.cat([qk[:, :H] * self.q_factor, qk[:, H:]], dim=1)
         # one attention call gives every row's output: a lone segment, or a group of the whole batch
         whole_group = group is not None and not segments and isinstance(group.rows, slice)
         o = None if (len(segments) == 1 and group is None) or whole_group else qkv.new_empty(T, H, a.head_dim)
@@ -115,14 +136,20 @@ class Block(nn.Module):
                 o = out
             else:
                 o[s.start:s.end] = out
-        if fused:
+        if fused and a.plain_block:
             x = self.wo.weight.fused(o.reshape(T, -1), residual=x)
             gate_up = self.w_gate_up.weight.fused(x, self.mlp_norm, a.rms_norm_eps)
             return self.w_down.weight.fused(gate_up, swiglu=True, residual=x)
-        x = x + linear(o.reshape(T, -1), self.wo.weight, any_layout=True)  # the sum takes x's (row) layout
+        if a.sandwich_norms:
+            x = x + rms_norm(linear(o.reshape(T, -1), self.wo.weight), self.attn_out_norm, a.rms_norm_eps)
+        else:
+            x = x + linear(o.reshape(T, -1), self.wo.weight, any_layout=True)  # the sum takes x's (row) layout
         gate, up = linear(rms_norm(x, self.mlp_norm, a.rms_norm_eps), self.w_gate_up.weight,
                           any_layout=True).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w_down.weight, any_layout=True)
+        act = F.silu(gate) if a.act == "silu" else F.gelu(gate, approximate="tanh")
+        if a.sandwich_norms:
+            return x + rms_norm(linear(act * up, self.w_down.weight), self.mlp_out_norm, a.rms_norm_eps)
+        return x + linear(act * up, self.w_down.weight, any_layout=True)
 
 
 _CPU_DECODERS: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()  # (start, end) -> decoder
@@ -139,6 +166,15 @@ class Llama(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(args, max_len)
+        # the sliding layers' own RoPE base (Gemma 3), and which layers take it
+        self.local_rope = Rope(_local_rope_args(args), max_len) if any(args.layer_rope) else None
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding of ``tokens`` [T] -> [T, hidden] (Gemma scales it by sqrt(hidden) in its dtype)."""
+        x = self.embed(tokens)
+        if self.args.embed_scale is not None:
+            x = x * torch.tensor(self.args.embed_scale, dtype=x.dtype)
+        return x
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
                 group: RowGroup | None = None, rows: CpuRows | None = None,
@@ -150,8 +186,12 @@ class Llama(nn.Module):
         ``segments`` and ``group`` (rows attended together) say whose rows are where.
         taps: {n: None, ...} gets, for each n, the residual stream after the first n layers ([T, hidden]).
         """
-        x = self.embed(tokens)  # [T, hidden]
+        x = self.embed_tokens(tokens)  # [T, hidden]
         cos, sin = self.rope.table(positions, x.dtype)  # [T, 1, D] each, shared by every layer
+        tables = [(cos, sin)] * len(self.layers)
+        if self.local_rope is not None:
+            local = self.local_rope.table(positions, x.dtype)
+            tables = [local if is_local else (cos, sin) for is_local in self.args.layer_rope]
         if rows is not None:
             cos, sin = cos[:, 0], sin[:, 0]  # [T, D]
             start = 0  # the compiled layer loop, in one call per range between taps
@@ -163,7 +203,7 @@ class Llama(nn.Module):
                 start = end
             return x
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, i, segments, group)  # .forward: skip hook dispatch
+            x = layer.forward(x, *tables[i], i, segments, group)  # .forward: skip hook dispatch
             if taps is not None and i + 1 in taps:
                 taps[i + 1] = x
         return x
@@ -193,21 +233,32 @@ class Llama(nn.Module):
         return per_layer + [self.lm_head.weight]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load transformers' Llama weight names into the fused layout."""
+        """Load transformers' weight names (every supported family's) into the fused layout."""
         a = self.args
-        own = {"embed.weight": state["model.embed_tokens.weight"], "norm": state["model.norm.weight"]}
+        # Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers does: stored as that sum
+        norm = (lambda w: 1.0 + w.float()) if a.norm_plus_one else (lambda w: w)
+        own = {"embed.weight": state["model.embed_tokens.weight"], "norm": norm(state["model.norm.weight"])}
         if not a.tie_word_embeddings:
             own["lm_head.weight"] = state["lm_head.weight"]
         for i in range(a.num_layers):
-            p = f"model.layers.{i}."
-            own[f"layers.{i}.attn_norm"] = state[p + "input_layernorm.weight"]
-            own[f"layers.{i}.mlp_norm"] = state[p + "post_attention_layernorm.weight"]
-            own[f"layers.{i}.wqkv.weight"] = torch.cat(
-                [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-            own[f"layers.{i}.wo.weight"] = state[p + "self_attn.o_proj.weight"]
-            own[f"layers.{i}.w_gate_up.weight"] = torch.cat(
+            p, o = f"model.layers.{i}.", f"layers.{i}."
+            own[o + "attn_norm"] = norm(state[p + "input_layernorm.weight"])
+            if a.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+                own[o + "attn_out_norm"] = norm(state[p + "post_attention_layernorm.weight"])
+                own[o + "mlp_norm"] = norm(state[p + "pre_feedforward_layernorm.weight"])
+                own[o + "mlp_out_norm"] = norm(state[p + "post_feedforward_layernorm.weight"])
+            else:
+                own[o + "mlp_norm"] = state[p + "post_attention_layernorm.weight"]
+            own[o + "wqkv.weight"] = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+            if a.qkv_bias:
+                own[o + "qkv_bias"] = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], dim=0)
+            if a.qk_norm:
+                own[o + "q_norm"] = norm(state[p + "self_attn.q_norm.weight"])
+                own[o + "k_norm"] = norm(state[p + "self_attn.k_norm.weight"])
+            own[o + "wo.weight"] = state[p + "self_attn.o_proj.weight"]
+            own[o + "w_gate_up.weight"] = torch.cat(
                 [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0)
-            own[f"layers.{i}.w_down.weight"] = state[p + "mlp.down_proj.weight"]
+            own[o + "w_down.weight"] = state[p + "mlp.down_proj.weight"]
         # assign=True: the module may have been built on the meta device to skip random init.
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         missing = [m for m in missing if not (a.tie_word_embeddings and m == "lm_head.weight")]
@@ -217,3 +268,10 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
         if self.rope.cos.is_meta:
             self.rope = Rope(a, self.rope.cos.shape[0])
+        if self.local_rope is not None and self.local_rope.cos.is_meta:
+            self.local_rope = Rope(_local_rope_args(a), self.local_rope.cos.shape[0])
+
+
+def _local_rope_args(a: LlamaArgs) -> LlamaArgs:
+    """The sliding layers' RoPE: their own base, no scaling (Gemma 3)."""
+    return dataclasses.replace(a, rope_theta=a.local_rope_theta, rope_scaling=None)

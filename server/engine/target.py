@@ -90,7 +90,7 @@ class Target:
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(ids)
+        return self.model.embed_tokens(ids)
 
     @torch.inference_mode()
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -120,6 +120,7 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     """
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
+    args.check_context(cfg.cache.max_seq_len)
     device = resolve_device(cfg.model.device)
     quantization = resolve_quantization(cfg.model.quantization, device, resolved.gguf)
     if quantization != cfg.model.quantization:

@@ -1,0 +1,243 @@
+"""Every supported decoder family (``core.ops.FAMILIES``) on a tiny random checkpoint written by transformers itself:
+served in float32, greedy output equals transformers' ``generate`` token for token, plain and speculative (every
+drafter that needs no training, and random draft trees), batched equals alone, a prefix hit equals a miss, the
+quantized targets and the batched kernel layout run it; and checkpoints it cannot serve fail at start, by name."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from core.ops import FAMILIES, LlamaArgs, UnsupportedModel
+from drafters.base import create_drafter
+from server.config import config_from_dict
+from server.engine import Engine, StepPlan, load_target
+from tests.engine.tree_drafters import OracleTreeDrafter
+from tests.lossless import assert_lossless, plain_tokens, tokens_per_step
+
+V = 96
+MAX_LEN = 160
+MAX_NEW = 20
+
+
+def _config(family: str):
+    """A transformers config of ``family`` small enough for a unit test, with each family's changes switched on:
+    Llama 3.1's RoPE scaling, Qwen3's head_dim != hidden / heads, Gemma 3's sliding layers with their own RoPE base
+    and a softmax scale that is not head_dim ** -0.5."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                  pad_token_id=1)
+    if family == "llama":
+        return tf.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, tie_word_embeddings=False)
+    if family == "mistral":
+        return tf.MistralConfig(**common, head_dim=16, sliding_window=None, tie_word_embeddings=False)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if family == "gemma3_text":
+        return tf.Gemma3TextConfig(**{**common, "num_key_value_heads": 1}, head_dim=32, query_pre_attn_scalar=24,
+                                   sliding_window=MAX_LEN, layer_types=["sliding_attention", "full_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                    "full_attention": {"rope_type": "default",
+                                                                       "rope_theta": 10000.0}})
+    raise ValueError(family)
+
+
+def write_tiny(path, family: str, seed: int = 0) -> dict:
+    """A random ``family`` checkpoint saved by transformers (config.json + model.safetensors) into ``path``. Biases
+    and norm weights are random too (transformers starts them at 0 or 1, where a missing one would go unnoticed),
+    and the head is scaled so each greedy choice has a margin over float rounding."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+        head = model.get_output_embeddings().weight
+        head.mul_(4.0 / head.std())
+    model.save_pretrained(str(path))
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    """(family, checkpoint directory, float32 config, target, transformers' model)."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    write_tiny(d, request.param)
+    cfg = config_from_dict({"model": {"source": str(d), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 4, "max_seq_len": MAX_LEN}})
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return request.param, d, cfg, load_target(cfg, progress=False), hf
+
+
+def _prompts(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(2, V, (int(k),), generator=g).tolist() for k in torch.randint(8, 60, (n,), generator=g)]
+    out[-1] = (out[-1][:6] * 5)[:30]  # a repetitive prompt, where the n-gram drafters find drafts
+    return out
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        x = torch.tensor([ids])
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                          eos_token_id=None, pad_token_id=1, temperature=None, top_p=None, top_k=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_logits_match_transformers(tiny):
+    family, _, cfg, target, hf = tiny
+    assert target.args.family == family
+    engine = Engine(cfg, target=target)
+    ids = _prompts(1, seed=2)[0] + list(range(2, 90))  # past the sliding layers' short RoPE wavelengths
+    seq = engine.add(ids)
+    try:
+        with torch.inference_mode():
+            ours = engine.model.logits(engine.forward(seq, ids, torch.arange(len(ids))))
+            ref = hf(torch.tensor([ids])).logits[0]
+    finally:
+        engine.release(seq)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_equals_transformers_generate(tiny):
+    _, _, cfg, target, hf = tiny
+    engine = Engine(cfg, target=target)
+    prompts = _prompts()
+    ours = plain_tokens(engine, prompts, MAX_NEW)
+    assert ours == [_hf_greedy(hf, p) for p in prompts]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle-trees"])
+def test_speculative_greedy_equals_plain(tiny, drafter):
+    """The drafter that needs no training (`ngram`; `maxgram` reads a bigram table built from the target), and random trees that hide the true continuation (so deep paths are
+    accepted and compacted)."""
+    _, _, cfg, target, _ = tiny
+    prompts = _prompts()
+    plain = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    if drafter == "oracle-trees":
+        d = OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, plain)}, kinds=("chain", "bushy"), max_rows=16,
+                              vocab_size=V)
+    else:
+        d = create_drafter(drafter, target)
+    outs = assert_lossless(Engine(cfg, d, target), prompts, plain, MAX_NEW, label=drafter)
+    if drafter == "oracle-trees":
+        assert tokens_per_step(outs) > 1.5
+
+
+def test_batched_equals_alone(tiny):
+    """Four sequences stepped together (decode steps and draft trees in one forward) return what each returns
+    alone."""
+    _, _, cfg, target, _ = tiny
+    prompts = _prompts(4, seed=3)
+    alone = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    engine = Engine(cfg, OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, alone)}, kinds=("chain", "bushy"),
+                                           max_rows=8, vocab_size=V), target)
+    seqs = [engine.add(p, max_new_tokens=MAX_NEW) for p in prompts]
+    for s in seqs:
+        engine.prefill(s)
+    while any(s.finish_reason is None for s in seqs):
+        engine.run(StepPlan(decode=[s for s in seqs if s.finish_reason is None]))
+    for s in seqs:
+        engine.release(s)
+    assert [s.output_ids for s in seqs] == alone
+
+
+def test_a_prefix_hit_equals_a_miss(tiny):
+    _, _, cfg, target, _ = tiny
+    on = Engine(cfg, target=target)
+    off = Engine(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_caching=False)), target=target)
+    first = _prompts(1, seed=4)[0]
+    answer = on.generate(first, None, MAX_NEW).token_ids
+    for prompt in (first, first + answer + [5, 6, 7]):
+        before = on.prefix.hits
+        got = on.generate(prompt, None, MAX_NEW).token_ids
+        assert on.prefix.hits - before >= len(first) // 2, "no hit"
+        assert got == off.generate(prompt, None, MAX_NEW).token_ids
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_target_is_lossless(tiny, quantization):
+    """The quantized target (the qlinear kernel where the CPU has it, PyTorch's packed kernels elsewhere) serves every
+    family, and speculation is lossless against it."""
+    family, d, _, _, _ = tiny
+    cfg = config_from_dict({"model": {"source": str(d), "dtype": "float32", "device": "cpu",
+                                      "quantization": quantization},
+                            "cache": {"num_slots": 2, "max_seq_len": MAX_LEN}})
+    target = load_target(cfg, progress=False)
+    prompts = _prompts()
+    plain = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    drafter = OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, plain)}, kinds=("chain", "bushy"), max_rows=16,
+                                vocab_size=V)
+    assert tokens_per_step(assert_lossless(Engine(cfg, drafter, target), prompts, plain, MAX_NEW)) > 1.5
+
+
+def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny):
+    """The CUDA path's batched Triton attention (under the interpreter here) on every family's rows."""
+    from core.tree import DraftTree
+
+    _, _, cfg, target, _ = tiny
+    engine = Engine(cfg, target=target)
+    a, b = (engine.add(p, max_new_tokens=8) for p in _prompts(2, seed=5))
+    for s in (a, b):
+        engine.prefill(s)
+    parts = [engine._tree_rows(a, DraftTree.root_only(a.token_ids[-1])),
+             engine._tree_rows(b, DraftTree([b.token_ids[-1], 3, 4, 5], [-1, 0, 0, 1]))]
+    try:
+        with torch.inference_mode():
+            alone = torch.cat([engine.forward_rows([p]) for p in parts])
+            ids = torch.tensor([t for p in parts for t in p[1]])
+            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine._kernel_group(parts))
+    finally:
+        engine.release(a)
+        engine.release(b)
+    torch.testing.assert_close(kernel, alone, atol=1e-5, rtol=1e-5)
+
+
+# -- what cannot be served fails at start, naming the cause ---------------------------------------------------------
+def test_an_unsupported_architecture_names_itself_and_the_supported_list(tmp_path):
+    write_tiny(tmp_path, "llama")
+    c = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**c, "model_type": "mamba"}))
+    cfg = config_from_dict({"model": {"source": str(tmp_path), "dtype": "float32", "device": "cpu"}})
+    with pytest.raises(UnsupportedModel, match="model_type='mamba'.*supported: llama, mistral, qwen2, qwen3"):
+        load_target(cfg, progress=False)
+
+
+def test_a_context_longer_than_the_model_or_its_window_fails_at_start(tmp_path):
+    c = write_tiny(tmp_path, "llama")
+    args = LlamaArgs.from_hf(c)
+    with pytest.raises(UnsupportedModel, match="longer than the model's context .256"):
+        args.check_context(257)
+    args.check_context(256)
+    mistral = LlamaArgs.from_hf({**c, "model_type": "mistral", "sliding_window": 64})
+    assert mistral.sliding_layers == (0, 1)
+    with pytest.raises(UnsupportedModel, match="sliding window of 64 tokens on 2 of its 2 layers"):
+        mistral.check_context(65)
+    mistral.check_context(64)
+    gemma = LlamaArgs.from_hf(json.loads(_config("gemma3_text").to_json_string()))
+    assert gemma.sliding_layers == (0,) and gemma.layer_rope == (True, False)
+
+
+def test_the_cli_says_why_a_model_cannot_be_served(tmp_path, capsys):
+    from specserve.cli import main
+
+    write_tiny(tmp_path, "qwen2")
+    c = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**c, "model_type": "gpt2"}))
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {{source: {tmp_path}, dtype: float32, device: cpu}}\n")
+    assert main(["generate", "--config", str(cfg), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "model_type='gpt2'" in err and "Traceback" not in err
