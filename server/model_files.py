@@ -88,9 +88,22 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
-        return ResolvedModel(path.name, path)
+        return ResolvedModel(directory_model_id(path), path)
     raise WeightsError(f"model source {source!r} is neither 'embedded', {', '.join(map(repr, PACKAGED))}, a .gguf "
                        "file, nor a model directory")
+
+
+def directory_model_id(path: Path) -> str:
+    """A Hugging Face directory's model name: "org/name" for a hub cache snapshot (``models--org--name/snapshots/
+    <commit>``, whose own name is a commit hash), else the checkpoint's own ``_name_or_path`` where it names a hub
+    model rather than a local path, else the directory's name."""
+    path = path.resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    own = str(load_hf_config(path).get("_name_or_path") or "")
+    if own and not own.startswith((os.sep, ".", "~")) and own.count("/") <= 1 and not Path(own).exists():
+        return own
+    return path.name
 
 
 def packaged_gguf_path(name: str, cache: Path) -> Path:
@@ -146,7 +159,18 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
 
 
 def load_hf_config(hf_dir: Path) -> dict:
-    return json.loads((Path(hf_dir) / "config.json").read_text())
+    """config.json, with the end-of-sequence ids of generation_config.json added where the directory has one (chat
+    models list their end-of-turn tokens there: Llama 3's <|eot_id|>, Qwen's <|im_end|>)."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    gen = Path(hf_dir) / "generation_config.json"
+    if gen.is_file():
+        extra = json.loads(gen.read_text()).get("eos_token_id")
+        if extra is not None:
+            ids = config.get("eos_token_id")
+            ids = list(ids) if isinstance(ids, (list, tuple)) else ([] if ids is None else [ids])
+            extra = extra if isinstance(extra, (list, tuple)) else [extra]
+            config["eos_token_id"] = ids + [int(i) for i in extra if int(i) not in ids]
+    return config
 
 
 def load_tokenizer(hf_dir: Path):

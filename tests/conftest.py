@@ -135,7 +135,7 @@ def write_tiny_llama(path, vocab_size=16, hidden=32, layers=2, heads=4, kv_heads
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      max_position_embeddings=256, rope_theta=500.0, rope_scaling=rope_scaling,
+                      max_position_embeddings=4096, rope_theta=500.0, rope_scaling=rope_scaling,
                       tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=1)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger logits than the default init, so distributions are far from uniform

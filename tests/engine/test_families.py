@@ -241,3 +241,38 @@ def test_the_cli_says_why_a_model_cannot_be_served(tmp_path, capsys):
     assert main(["generate", "--config", str(cfg), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "model_type='gpt2'" in err and "Traceback" not in err
+
+
+# -- the checkpoint's own interface -----------------------------------------------------------------------------------
+def test_generation_config_adds_the_end_of_turn_ids(tmp_path):
+    """Chat models list their end-of-turn tokens in generation_config.json (Llama 3's <|eot_id|>): they stop there."""
+    from server.model_files import load_hf_config
+
+    write_tiny(tmp_path, "llama")
+    assert LlamaArgs.from_hf(load_hf_config(tmp_path)).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7, 9]}))
+    args = LlamaArgs.from_hf(load_hf_config(tmp_path))
+    assert args.eos_token_ids == (1, 7, 9)
+    cfg = config_from_dict({"model": {"source": str(tmp_path), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 1, "max_seq_len": 64}})
+    engine = Engine(cfg)
+    prompt = _prompts(1)[0]
+    free = engine.generate(prompt, None, 12).token_ids
+    stop = free[3]
+    out = engine.generate(prompt, None, 12, stop_token_ids=args.eos_token_ids + (stop,))
+    assert out.token_ids == free[:free.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_a_hub_snapshot_is_named_by_its_repository(tmp_path):
+    from server.model_files import resolve_model
+
+    snap = tmp_path / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots" / "7ae557604adf67be50417f59c2c2f167def9a775"
+    snap.mkdir(parents=True)
+    write_tiny(snap, "qwen2")
+    assert resolve_model(str(snap)).model_id == "Qwen/Qwen2.5-0.5B-Instruct"
+    plain = tmp_path / "my-model"
+    plain.mkdir()
+    c = write_tiny(plain, "qwen2")
+    assert resolve_model(str(plain)).model_id == "my-model"  # saved locally: _name_or_path is no hub name
+    (plain / "config.json").write_text(json.dumps({**c, "_name_or_path": "Qwen/Qwen3-0.6B"}))
+    assert resolve_model(str(plain)).model_id == "Qwen/Qwen3-0.6B"
