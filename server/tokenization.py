@@ -26,12 +26,25 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
+class ChatTemplateError(ValueError):
+    """The model cannot render these messages: it has no chat template, or its template refuses them (a role order
+    it does not take). A client error: the API answers 400 with this message."""
+
+
 def encode_chat(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Apply the model's chat template (with the assistant turn opened) and tokenize. ``tools`` (OpenAI's tool
     objects) go to a template that renders tools itself; for one that does not, the API process has written them
     into the messages already (server.api.tools)."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model has no chat template (a base model): send a text prompt to "
+                                "/v1/completions instead")
     kw = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    except TemplateError as e:  # raise_exception() in the template: the model's own words
+        raise ChatTemplateError(f"the model's chat template refused these messages: {e}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -17,7 +17,7 @@ from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
 from server.api.structured import FieldError, compile_checked, response_format_grammar
 from server.api.tools import ToolPlan, ToolReply, tool_grammar_lark
-from server.tokenization import encode_chat, encode_text
+from server.tokenization import ChatTemplateError, encode_chat, encode_text
 from server.worker.process import new_request_id
 
 router = APIRouter()
@@ -240,7 +240,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth
     plan = req.tool_plan()
     grammar = await run_in_threadpool(_grammar, s, req, plan)
     messages, tools = req.template_messages(s.template_knows_tools)
-    prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages, tools)
+    try:
+        prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages, tools)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "invalid_request_error", "messages", None) from None
     return await _respond(request, req, _prepare(s, request, req, prompt_ids, grammar=grammar), chat=True,
                           plan=plan)
 

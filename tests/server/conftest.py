@@ -25,11 +25,11 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, tmp: Path, drafter: str = "ngram", num_slots: int = 4, max_waiting: int = 4,
                  max_seq_len: int = 512, api_key: str | None = API_KEY, drain_timeout: float = 30.0,
-                 server_options: dict | None = None, dtype: str = "bfloat16"):
+                 server_options: dict | None = None, dtype: str = "bfloat16", source: str = "embedded"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cfg = {"model": {"source": "embedded", "dtype": dtype, "device": "cpu"},
+        cfg = {"model": {"source": source, "dtype": dtype, "device": "cpu"},
                "cache": {"num_slots": num_slots, "max_seq_len": max_seq_len},
                "drafter": {"name": drafter, "ngram": {"num_tokens": 4}},
                "server": {"max_waiting": max_waiting, **(server_options or {})}}
