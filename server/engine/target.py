@@ -12,10 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from core.ops import DTYPES, LlamaArgs, rms_norm
+from core.ops import DTYPES, LlamaArgs, Rope, rms_norm
 from server.config import EngineConfig
 from server.engine.backend import make_attention
-from server.engine.model import Llama, Segment
+from server.engine.model import Llama, Segment, _local_rope_args
 from server.engine.quant import kernel_path, quantize_model, resolve_quantization
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
 from server.engine.weights import load_state_dict
@@ -153,9 +153,44 @@ def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str,
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
 
 
+AUTO_LAYERS = 4  # the dtype measurement's model: this many of the target's layers, its embedding and its head
+
+
+def measurement_model(model: Llama, max_len: int) -> Llama:
+    """A model of the target's first ``AUTO_LAYERS`` layers (all, for a shallower one), its embedding, final norm and
+    head, wrapping the loaded tensors themselves rather than copies: so the dtype measurement never holds a second
+    copy of the weights (cast to another dtype, only these layers are). Layers are alike, so the dtypes' ranking
+    on it is the whole model's."""
+    a = dataclasses.replace(model.args, num_layers=min(model.args.num_layers, AUTO_LAYERS),
+                            sliding_layers=tuple(i for i in model.args.sliding_layers if i < AUTO_LAYERS))
+    with torch.device("meta"):
+        small = Llama(a, max_len)
+    small.embed = _sharing_copy(model.embed)
+    small.norm = torch.nn.Parameter(model.norm.data, requires_grad=False)
+    small.lm_head = _sharing_copy(model.lm_head)
+    if a.tie_word_embeddings:
+        small.lm_head.weight = small.embed.weight
+    small.layers = torch.nn.ModuleList(_sharing_copy(layer) for layer in model.layers[:a.num_layers])
+    small.rope = Rope(a, max_len)
+    if small.local_rope is not None:
+        small.local_rope = Rope(_local_rope_args(a), max_len)
+    return small
+
+
+def _sharing_copy(m: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``m`` whose parameters are new Parameter objects around the same tensors: casting the copy
+    (``.to``, which assigns ``param.data``) or swapping its layers leaves ``m`` as it is."""
+    c = copy.copy(m)
+    c._parameters = {n: None if p is None else torch.nn.Parameter(p.data, requires_grad=False)
+                     for n, p in m._parameters.items()}
+    c._buffers = dict(m._buffers)
+    c._modules = {n: None if s is None else _sharing_copy(s) for n, s in m._modules.items()}
+    return c
+
+
 def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.device, dtype_name: str) -> dict:
-    """T(rows) for ``model.dtype: auto``: a copy of the model in ``dtype_name``, plain decoding, one slot, after up
-    to 300 cached tokens (fewer when the configured context is shorter: the copy's RoPE table has that length)."""
+    """T(rows) for ``model.dtype: auto``: the target's first layers (``measurement_model``) in ``dtype_name``, plain
+    decoding, one slot, after up to 300 cached tokens (fewer when the configured context is shorter)."""
     from server.engine.engine import Engine  # the measurement runs the batched step on the copy
 
     rows = AUTO_ROWS if cfg.cache.max_seq_len >= 1 + max(AUTO_ROWS) + 1 else (1,)
@@ -163,5 +198,6 @@ def _measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.devi
     c = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype_name),
                             cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
                             drafter=dataclasses.replace(cfg.drafter, name="none"))
-    target = _build_target(copy.deepcopy(model), resolved, device, dtype_name, cfg.model.quantization)
+    small = measurement_model(model, c.cache.max_seq_len)
+    target = _build_target(small, resolved, device, dtype_name, cfg.model.quantization)
     return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)

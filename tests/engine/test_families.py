@@ -276,3 +276,63 @@ def test_a_hub_snapshot_is_named_by_its_repository(tmp_path):
     assert resolve_model(str(plain)).model_id == "my-model"  # saved locally: _name_or_path is no hub name
     (plain / "config.json").write_text(json.dumps({**c, "_name_or_path": "Qwen/Qwen3-0.6B"}))
     assert resolve_model(str(plain)).model_id == "Qwen/Qwen3-0.6B"
+
+
+# -- memory: no second copy of the weights --------------------------------------------------------------------------
+def test_the_dtype_measurement_holds_no_copy_of_the_weights(tmp_path):
+    """``model.dtype: auto`` measures on the target's first layers around its own tensors (float32: the very same
+    storage), and casting that model for the bfloat16 candidate leaves the target in float32."""
+    from server.engine.target import AUTO_LAYERS, _measure_dtype, measurement_model
+
+    d = tmp_path / "deep"
+    d.mkdir()
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+
+    torch.manual_seed(0)
+    c = _config("gemma3_text").to_dict()
+    c.update(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    Gemma3ForCausalLM(Gemma3TextConfig(**c)).save_pretrained(str(d))
+    cfg = config_from_dict({"model": {"source": str(d), "dtype": "float32", "device": "cpu"},
+                            "cache": {"num_slots": 1, "max_seq_len": 64}})
+    target = load_target(cfg, progress=False)
+    model = target.model
+    small = measurement_model(model, 64)
+    assert len(small.layers) == AUTO_LAYERS < len(model.layers) and small.args.sliding_layers == (0, 1, 2, 3)
+    mine = {p.data_ptr() for p in model.parameters()}
+    assert {p.data_ptr() for p in small.parameters()} <= mine  # nothing copied
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    curve = _measure_dtype(cfg, model, resolve_model_for(cfg), torch.device("cpu"), "bfloat16")
+    assert set(curve) == {1, 8}
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert type(model.layers[0].wqkv).__name__ == "Linear"  # the target's own layers were not swapped
+
+
+def resolve_model_for(cfg):
+    from server.model_files import resolve_model
+
+    return resolve_model(cfg.model.source, cfg.model.cache_dir, progress=False)
+
+
+@pytest.mark.slow
+def test_loading_with_a_dtype_measurement_holds_the_weights_once(tmp_path):
+    """``model.dtype: auto`` on a 32-layer, 270 MiB float32 checkpoint, in a process of its own: the anonymous memory
+    loading takes stays within 1.3x the weights (a deep copy per candidate dtype took 2x). What it may add: the
+    measurement's few layers in bfloat16, and the kernel choice's random matrices of one layer's shapes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=4000, hidden_size=384, intermediate_size=1536, num_hidden_layers=32,
+                                 num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=1024)).save_pretrained(str(tmp_path))
+    weights = (tmp_path / "model.safetensors").stat().st_size / 2**20
+    out = subprocess.run([sys.executable, "-m", "tests.engine._load_memory", str(tmp_path), "auto"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2],
+                         env={**os.environ}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    took = json.loads(out.stdout.strip().splitlines()[-1])
+    assert took["peak_mib"] <= 1.3 * weights and took["end_mib"] <= 1.3 * weights, (took, weights)
