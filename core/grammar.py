@@ -46,10 +46,56 @@ def _schema_object(schema: dict[str, Any] | bool | None) -> dict[str, Any]:
     return schema
 
 
+# Keywords whose value is a schema, a list of schemas, or a name -> schema map (JSON Schema 2020-12 and draft 7).
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def strict_schema(schema: Any) -> Any:
+    """``schema`` with every object that declares ``properties`` closed to the ones it declares (``additionalProperties:
+    false``) unless it says itself what else it takes (``additionalProperties``, ``patternProperties``,
+    ``unevaluatedProperties``): the grammar backends of other servers read schemas this way, and a model otherwise
+    fills an object with keys copied from the schema. An object without ``properties`` (``{"type": "object"}``) stays
+    free-form, and so do the branches of an ``allOf`` (each would refuse the others' properties)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA:
+        if k in out:
+            out[k] = strict_schema(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [strict_schema(x) for x in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: strict_schema(x) for name, x in out[k].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = strict_schema(out["additionalProperties"])
+    if isinstance(out.get("allOf"), list):  # closed as a whole where it declares properties itself, not per branch
+        out["allOf"] = [_strict_inside(x) for x in out["allOf"]]
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYWORDS) and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _strict_inside(schema: Any) -> Any:
+    """An ``allOf`` branch: its own top level left open, what it nests made strict."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = strict_schema(schema)
+    if "additionalProperties" not in schema and closed.get("additionalProperties") is False:
+        del closed["additionalProperties"]
+    return closed
+
+
 def json_schema_grammar(schema: dict[str, Any] | bool | None = None) -> str:
     """A JSON schema (None: any JSON object, as ``response_format: json_object``) -> a grammar string. Compact
-    separators (``JSON_OPTIONS``) unless the schema's own ``x-guidance`` says otherwise."""
-    schema = _schema_object(schema)
+    separators (``JSON_OPTIONS``) unless the schema's own ``x-guidance`` says otherwise; objects closed to their
+    declared properties (``strict_schema``)."""
+    schema = strict_schema(_schema_object(schema))
     try:
         return _llg().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
@@ -72,8 +118,8 @@ def response_format_grammar(response_format: dict[str, Any] | None) -> tuple[str
 
 def json_schema_lark(schema: dict[str, Any] | bool | None = None) -> str:
     """A JSON schema (None, booleans: as :func:`json_schema_grammar`) as a Lark ``%json`` item (to embed in a larger
-    grammar), with the compact separators."""
-    schema = dict(_schema_object(schema))
+    grammar), with the compact separators, strict as there."""
+    schema = strict_schema(_schema_object(schema))
     schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
     return "%json " + json.dumps(schema)
 
