@@ -33,40 +33,47 @@ _GGUF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 Q8_0_BLOCK_BYTES = 2 + Q4_1_BLOCK
 
 
-def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
-    """The Q4_1 and Q8_0 matrices of a Llama GGUF file (linear layers, the output head and the token embedding, which a
-    tied head multiplies by), as stored, under transformers' Llama names.
+# The GGUF architectures whose block matrices are read (general.architecture; Mistral files say "llama"). Only
+# llama.cpp's "llama" converter interleaves q/k rows for its RoPE layout.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
-    Rows come in the order of the converted HF directory: llama.cpp's converter interleaves the rows of q_proj and
-    k_proj for its RoPE layout, and transformers' loader undoes that, so the same row permutation is applied here
-    (blocks run along a row, so a row permutation keeps them whole). Tensors stored in any other type (float norms)
-    are left out, and so is every tensor of an architecture other than ``llama``.
+
+def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
+    """The block-quantized matrices of a GGUF file whose blocks of 32 are affine (linear layers, the output head and
+    the token embedding, which a tied head multiplies by), as stored, under transformers' names: Q4_0, Q4_1 and Q4_K
+    as 4-bit codes; Q5_0, Q5_K and Q8_0 as 8-bit codes (``QBlocks``). A K-quant super-block of 256 is 8 sub-blocks
+    of 32, each d * sc * q - dmin * m: an affine block of 32. Q6_K (sub-blocks of 16) and every other type are left
+    out, and so is every tensor of an architecture not in ``GGUF_ARCHITECTURES``.
+
+    Rows come in the order of the converted HF directory: llama.cpp's "llama" converter interleaves the rows of q_proj
+    and k_proj for its RoPE layout, and transformers' loader undoes that, so the same row permutation is applied here
+    (blocks run along a row, so a row permutation keeps them whole).
     """
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
 
     reader = GGUFReader(gguf)
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         return {}
-    n_head, n_kv_head = (_gguf_field(reader, f"llama.attention.{k}") for k in ("head_count", "head_count_kv"))
+    n_head, n_kv_head = (_gguf_field(reader, f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv"))
     out: dict[str, QBlocks] = {}
-    kinds = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
     for t in reader.tensors:
-        if t.tensor_type not in kinds or len(t.shape) != 2:
+        unpack = _UNPACK.get(t.tensor_type.name)
+        if unpack is None or len(t.shape) != 2:
             continue
         parts = t.name.split(".")  # blk.<i>.<kind>.weight, output.weight or token_embd.weight
         if t.name == "output.weight":
             name = "lm_head.weight"
         elif t.name == "token_embd.weight":
             name = "model.embed_tokens.weight"
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEAR:
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEAR and parts[3] == "weight":
             name = f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"
         else:
             continue
-        bits = kinds[t.tensor_type]
-        q, d, m = (_q4_1_blocks if bits == 4 else _q8_0_blocks)(np.asarray(t.data), int(t.shape[0]))
+        bits, fn = unpack
+        q, d, m = fn(np.asarray(t.data), int(t.shape[0]))
         # transformers permutes only when both head counts are known (LlamaTensorProcessor); so do we
-        if parts[-2] in ("attn_q", "attn_k") and n_head is not None and n_kv_head is not None:
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k") and n_head is not None and n_kv_head is not None:
             heads = n_head if parts[-2] == "attn_q" else n_kv_head
             q, d, m = (_unpermute_rope_rows(x, heads) for x in (q, d, m))
         out[name] = QBlocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), bits)
@@ -114,10 +121,84 @@ def _q8_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return q.reshape(N, K), d, -128.0 * d
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32 (exact: the file stores float16)."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """[..., 16 * j] uint8 -> [..., 32 * j]: per 16 bytes, their low nibbles then their high nibbles (ggml's order)."""
+    lo, hi = raw & 0x0F, raw >> 4
+    return np.concatenate([lo[..., None, :], hi[..., None, :]], axis=-2).reshape(*raw.shape[:-1], -1)
+
+
+def _q4_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0: per block float16 d, 16 bytes of nibbles; W = d * (q - 8) -> q in 0..15, d, m = -8 d."""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // Q4_1_BLOCK, 18)
+    d = _f16(blocks[..., 0:2])
+    return _nibbles(blocks[..., 2:]).reshape(N, K), d, -8.0 * d
+
+
+def _q5_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_0: per block float16 d, 4 bytes of fifth bits (bit i: element i), 16 bytes of nibbles; W = d * (q - 16) ->
+    q in 0..31 (as 8-bit codes), d, m = -16 d."""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // Q4_1_BLOCK, 22)
+    d = _f16(blocks[..., 0:2])
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [N, K / 32, 32]
+    return (_nibbles(blocks[..., 6:]) | (high << 4)).reshape(N, K), d, -16.0 * d
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant super-block's 12 bytes -> its 8 sub-blocks' 6-bit scales and mins (ggml's get_scale_min_k4)."""
+    a, b, c = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _k_affine(blocks: np.ndarray, q: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: float16 d and dmin, then the scales; sub-block j is W = (d * sc_j) * q - dmin * m_j ->
+    (q [N, K], d * sc [N, K / 32], -dmin * m [N, K / 32]), the products in float32 as ggml forms them."""
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [N, K / 256]
+    sc, mn = _k_scales(blocks[..., 4:16])  # [N, K / 256, 8]
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(N, K // Q4_1_BLOCK)
+    low = -(dmin[..., None] * mn.astype(np.float32)).reshape(N, K // Q4_1_BLOCK)
+    return q.reshape(N, K), scale, low
+
+
+def _q4_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K: super-blocks of 256 (144 bytes): d, dmin, 12 bytes of scales, 128 bytes of nibbles (each 32 bytes: two
+    sub-blocks, low nibbles then high)."""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // 256, 144)
+    qs = blocks[..., 16:].reshape(N, K // 256, 4, 32)
+    q = np.concatenate([(qs & 0x0F)[..., None, :], (qs >> 4)[..., None, :]], axis=-2)  # [N, K / 256, 4, 2, 32]
+    return _k_affine(blocks, q, N, K)
+
+
+def _q5_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K: super-blocks of 256 (176 bytes): d, dmin, 12 bytes of scales, 32 bytes of fifth bits (bit j of byte i:
+    element i of sub-block j), then the nibbles as Q4_K's; q in 0..31 (as 8-bit codes)."""
+    N = raw.shape[0]
+    blocks = raw.reshape(N, K // 256, 176)
+    qs = blocks[..., 48:].reshape(N, K // 256, 4, 32)
+    low = np.concatenate([(qs & 0x0F)[..., None, :], (qs >> 4)[..., None, :]], axis=-2).reshape(N, K // 256, 8, 32)
+    qh = blocks[..., 16:48]  # [N, K / 256, 32]
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, K / 256, 8, 32]
+    return _k_affine(blocks, low | (high << 4), N, K)
+
+
 def _unpermute_rope_rows(x: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of q_proj / k_proj (transformers' ``_reverse_permute_weights``)."""
     half = x.shape[0] // n_head // 2
     return np.ascontiguousarray(x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape))
+
+
+# GGML type name -> (code bits of QBlocks, unpacker (raw [N, bytes] uint8, K) -> (q, d, m))
+_UNPACK = {"Q4_0": (4, _q4_0_blocks), "Q4_1": (4, _q4_1_blocks), "Q4_K": (4, _q4_k_blocks),
+           "Q5_0": (8, _q5_0_blocks), "Q5_K": (8, _q5_k_blocks), "Q8_0": (8, _q8_0_blocks)}
 
 
 def _gguf_field(reader, key: str):

@@ -60,3 +60,32 @@ def test_ngram_equals_plain(gemma):
     outs = assert_lossless(Engine(cfg, create_drafter("ngram", target, {"num_tokens": 4}), target), prompts, plain,
                            MAX_NEW, label="ngram")
     assert sum(o.stats.accepted_tokens for o in outs) > 0  # the counting prompt must hit
+
+
+def test_the_files_k_quant_blocks_read_as_gguf_dequantizes_them(gemma):
+    """Every block matrix of the real Q4_K_M file (Q4_K, Q5_0, Q8_0) that the quantized targets read, against the
+    gguf package's own de-quantizer; Q6_K (sub-blocks of 16) is left to the de-quantized weights."""
+    import gguf
+    import numpy as np
+
+    from server.engine.weights import gguf_linear_blocks
+
+    cfg = gemma[0]
+    path = resolve_model("gemma3-270m", cfg.model.cache_dir, progress=False).gguf
+    blocks = gguf_linear_blocks(path)
+    reader = gguf.GGUFReader(path)
+    kinds = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        name = ("model.embed_tokens.weight" if t.name == "token_embd.weight" else
+                f"model.layers.{parts[1]}.self_attn.o_proj.weight" if parts[2:] == ["attn_output", "weight"] else
+                f"model.layers.{parts[1]}.self_attn.q_proj.weight" if parts[2:] == ["attn_q", "weight"] else None)
+        kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+        if name is None or t.name.startswith("blk.") and parts[1] not in ("0", "17"):
+            continue
+        b = blocks[name]
+        N, K = b.q.shape
+        ours = (b.d[..., None] * b.q.view(N, K // 32, 32).float() + b.m[..., None]).view(N, K).numpy()
+        assert np.array_equal(ours, gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+    assert {"Q4_K", "Q5_0", "Q8_0", "Q6_K"} <= set(kinds)
+    assert len(blocks) == sum(kinds[k] for k in ("Q4_K", "Q5_0", "Q8_0"))
