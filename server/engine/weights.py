@@ -82,16 +82,18 @@ def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
 
 def gguf_linear_quantization(gguf: Path) -> str | None:
     """What a GGUF file's block linear layers are stored as, read from the tensor types alone: "int4" (every one
-    Q4_1), "int8" (every one Q8_0), else None (float, mixed, or not a Llama file)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    4-bit affine blocks: Q4_0, Q4_1 or Q4_K), "int8" (every one Q8_0), else None (float, mixed widths such as
+    Q4_K_M's, or an architecture not in ``GGUF_ARCHITECTURES``)."""
+    from gguf import GGUFReader
 
     reader = GGUFReader(gguf)
-    if _gguf_field(reader, "general.architecture") != "llama":
+    if _gguf_field(reader, "general.architecture") not in GGUF_ARCHITECTURES:
         return None
-    kinds = {t.tensor_type for t in reader.tensors
+    kinds = {t.tensor_type.name for t in reader.tensors
              if t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_LINEAR}
-    return {frozenset({GGMLQuantizationType.Q4_1}): "int4",
-            frozenset({GGMLQuantizationType.Q8_0}): "int8"}.get(frozenset(kinds))
+    if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"}:
+        return "int4"
+    return "int8" if kinds == {"Q8_0"} else None
 
 
 def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

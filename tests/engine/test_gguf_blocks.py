@@ -80,3 +80,23 @@ def test_a_qwen2_file_gives_its_blocks_under_transformers_names(tmp_path):
         ref = gguf.quants.dequantize(raws[kind], gguf.GGMLQuantizationType[type_name])
         assert np.array_equal(dequantized(b.q.numpy(), b.d.numpy(), b.m.numpy()), ref), kind
         assert b.bits == W._UNPACK[type_name][0]
+
+
+@pytest.mark.parametrize("arch,types,want", [
+    ("qwen2", ["Q4_K", "Q4_0"], "int4"), ("gemma3", ["Q4_1"], "int4"), ("qwen3", ["Q8_0"], "int8"),
+    ("llama", ["Q4_K", "Q6_K"], None), ("qwen2", ["Q4_K", "Q8_0"], None), ("phi3", ["Q4_1"], None)])
+def test_quantization_auto_reads_the_files_widths(tmp_path, arch, types, want):
+    """``model.quantization: auto`` serves a GGUF file at its own width where every linear layer has one: 4-bit affine
+    blocks (any of Q4_0, Q4_1, Q4_K) as int4, Q8_0 as int8; mixed widths (Q4_K_M) and other architectures: none."""
+    import gguf
+
+    path = tmp_path / "f.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    for i, type_name in enumerate(types):
+        writer.add_tensor(f"blk.{i}.attn_q.weight", random_raw(type_name, 32, 256, seed=i),
+                          raw_dtype=gguf.GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert W.gguf_linear_quantization(path) == want
