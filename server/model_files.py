@@ -140,7 +140,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [type(model).__name__]  # the family's class (LlamaForCausalLM, Gemma3ForCausalLM...)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # tied: the embedding is the head

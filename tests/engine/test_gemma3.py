@@ -35,6 +35,9 @@ def test_it_loads_as_gemma3(gemma):
     assert (a.family, a.num_layers, a.hidden_size, a.head_dim, a.sliding_window) == ("gemma3_text", 18, 640, 256, 512)
     assert a.sliding_layers and len(a.sliding_layers) < a.num_layers
     assert target.model_id == "gemma3-270m"
+    from server.model_files import load_hf_config
+
+    assert load_hf_config(target.hf_dir)["architectures"] == ["Gemma3ForCausalLM"]  # the converted directory's class
 
 
 def test_greedy_equals_transformers_on_the_same_file(gemma):
