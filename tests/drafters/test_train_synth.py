@@ -122,7 +122,8 @@ def test_benchmark_guard_reads_every_benchmark_file(guard):
 
     files = sorted(Path("deploy/prompts").glob("*.jsonl"))
     assert len(files) >= 2 and len(guard.norms) == sum(len(f.read_text().splitlines()) for f in files)
-    heldout_task = json.loads(files[-1].read_text().splitlines()[0])["messages"][0]["content"]
+    heldout = Path("deploy/prompts/humaneval-heldout.jsonl")
+    heldout_task = json.loads(heldout.read_text().splitlines()[0])["messages"][0]["content"]
     assert guard.overlaps(heldout_task[40:])  # a piece of a held-out HumanEval task
     assert not guard.overlaps("What is the boiling point of water on a high mountain?")
 
