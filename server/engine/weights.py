@@ -96,6 +96,18 @@ def gguf_linear_quantization(gguf: Path) -> str | None:
     return "int8" if kinds == {"Q8_0"} else None
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> [...] float32 (exact: the file stores float16)."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(raw: np.ndarray) -> np.ndarray:
+    """[..., n] uint8 -> [..., 2 n]: the n bytes' low nibbles, then their high nibbles (ggml's order: a Q4_0 / Q4_1
+    block's 16 bytes, a K-quant's 32-byte pair of sub-blocks)."""
+    lo, hi = raw & 0x0F, raw >> 4
+    return np.concatenate([lo[..., None, :], hi[..., None, :]], axis=-2).reshape(*raw.shape[:-1], -1)
+
+
 def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """raw [N, K / 32 * 20] uint8 (per block: float16 d, float16 m, 16 bytes of nibbles) -> q [N, K] uint8,
     d and m [N, K / 32] float32.
@@ -104,13 +116,7 @@ def _q4_1_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     the block, the high nibbles elements 16..31. In numpy, as the reader hands the file's bytes over."""
     N = raw.shape[0]
     blocks = raw.reshape(N, K // Q4_1_BLOCK, 4 + Q4_1_BLOCK // 2)  # [N, K / 32, 20]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nibbles = blocks[..., 4:]  # [N, K / 32, 16]
-    q = np.empty((N, K // Q4_1_BLOCK, Q4_1_BLOCK), dtype=np.uint8)
-    np.bitwise_and(nibbles, 0x0F, out=q[..., :Q4_1_BLOCK // 2])
-    np.right_shift(nibbles, 4, out=q[..., Q4_1_BLOCK // 2:])
-    return q.reshape(N, K), d, m
+    return _nibbles(blocks[..., 4:]).reshape(N, K), _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
 
 
 def _q8_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,20 +124,9 @@ def _q8_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     d [N, K / 32] float32 and m = -128 d."""
     N = raw.shape[0]
     blocks = raw.reshape(N, K // Q4_1_BLOCK, Q8_0_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks[..., 0:2])
     q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     return q.reshape(N, K), d, -128.0 * d
-
-
-def _f16(raw: np.ndarray) -> np.ndarray:
-    """[..., 2] uint8 -> [...] float32 (exact: the file stores float16)."""
-    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
-
-
-def _nibbles(raw: np.ndarray) -> np.ndarray:
-    """[..., 16 * j] uint8 -> [..., 32 * j]: per 16 bytes, their low nibbles then their high nibbles (ggml's order)."""
-    lo, hi = raw & 0x0F, raw >> 4
-    return np.concatenate([lo[..., None, :], hi[..., None, :]], axis=-2).reshape(*raw.shape[:-1], -1)
 
 
 def _q4_0_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,9 +170,7 @@ def _q4_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     sub-blocks, low nibbles then high)."""
     N = raw.shape[0]
     blocks = raw.reshape(N, K // 256, 144)
-    qs = blocks[..., 16:].reshape(N, K // 256, 4, 32)
-    q = np.concatenate([(qs & 0x0F)[..., None, :], (qs >> 4)[..., None, :]], axis=-2)  # [N, K / 256, 4, 2, 32]
-    return _k_affine(blocks, q, N, K)
+    return _k_affine(blocks, _nibbles(blocks[..., 16:].reshape(N, K // 256, 4, 32)), N, K)
 
 
 def _q5_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -185,8 +178,7 @@ def _q5_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     element i of sub-block j), then the nibbles as Q4_K's; q in 0..31 (as 8-bit codes)."""
     N = raw.shape[0]
     blocks = raw.reshape(N, K // 256, 176)
-    qs = blocks[..., 48:].reshape(N, K // 256, 4, 32)
-    low = np.concatenate([(qs & 0x0F)[..., None, :], (qs >> 4)[..., None, :]], axis=-2).reshape(N, K // 256, 8, 32)
+    low = _nibbles(blocks[..., 48:].reshape(N, K // 256, 4, 32)).reshape(N, K // 256, 8, 32)
     qh = blocks[..., 16:48]  # [N, K / 256, 32]
     high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, K / 256, 8, 32]
     return _k_affine(blocks, low | (high << 4), N, K)
