@@ -357,37 +357,58 @@ def minmax_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.T
     return q, scale, lo
 
 
+INT4_FORMS = ("packed", "dense")
+
+
 @dataclass
 class Int4Weight:
-    """Weight-only 4-bit, asymmetric per group of ``group`` input columns: W ~= (q - 8) * scale + zero, q in [0, 15]
-    (the layout of PyTorch's packed int4 kernels; a GGUF Q4_1 block, d * q + m, is the case scale = d,
-    zero = m + 8 d)."""
+    """Weight-only 4-bit, asymmetric per group of ``group`` input columns: W = scale * q + low, q in [0, 15] (GGUF
+    Q4_1's block, d * q + m).
 
-    packed: torch.Tensor       # CPU: [N, K / 2] uint8 from _convert_weight_to_int4pack_for_cpu
+    Two forms of the same matrix. "packed": PyTorch's packed int4 CPU kernel, which takes (q - 8) * scale + zero with
+    zero = low + 8 * scale. "dense": W itself in the activations' dtype, multiplied by ``linear``'s dense kernels
+    (4-8x the memory; on CPUs where the packed kernel is slower for the serving dtype, e.g. float32 activations on
+    a 2-core EPYC with AVX2, 11.7x slower per matrix). ``quantize_model`` measures which at load."""
+
+    packed: torch.Tensor       # CPU: [N, K / 2] uint8 from _convert_weight_to_int4pack_for_cpu (empty unless packed)
     scale_zero: torch.Tensor   # [K / group, N, 2] (scale, zero), the activations' dtype
     group: int
     shape: tuple[int, int]     # (N, K)
     q: torch.Tensor | None = None  # [N, K] int32, kept only where the packed CPU kernel does not apply (dequantized
                                    # per call: off CPU, or N not a multiple of 16)
+    dense: torch.Tensor | None = None  # [N, K] the "dense" form: scale * q + low, computed once in float32
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, group: int = 32) -> "Int4Weight":
+    def quantize(cls, w: torch.Tensor, dtype: torch.dtype, group: int = 32, form: str = "packed") -> "Int4Weight":
         q, scale, lo = minmax_int4(w, group)
-        return cls.from_groups(q, scale, lo + 8.0 * scale, dtype, group)
+        return cls.from_groups(q, scale, lo, dtype, group, form)
 
     @classmethod
-    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
-                    group: int) -> "Int4Weight":
-        """q [N, K] in [0, 15], scale and zero [N, K / group]: W = (q - 8) * scale + zero."""
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype,
+                    group: int, form: str = "packed") -> "Int4Weight":
+        """q [N, K] in [0, 15], scale and low [N, K / group]: W = scale * q + low."""
+        if form not in INT4_FORMS:
+            raise ValueError(f"unknown int4 form {form!r}; valid: {', '.join(INT4_FORMS)}")
         N, K = q.shape
+        zero = low + 8.0 * scale
         scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [K / group, N, 2]
+        empty = torch.empty(0, dtype=torch.uint8, device=q.device)
+        if form == "dense":
+            w = q.float().view(N, K // group, group) * scale.float()[..., None] + low.float()[..., None]
+            return cls(empty, scale_zero, group, (N, K), dense=w.view(N, K).to(dtype).contiguous())
         if q.device.type == "cpu" and N % 16 == 0:  # the packed CPU layout takes rows in tiles of 16
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
             return cls(packed, scale_zero, group, (N, K))
-        return cls(torch.empty(0, dtype=torch.uint8, device=q.device), scale_zero, group, (N, K), q.to(torch.int32))
+        return cls(empty, scale_zero, group, (N, K), q.to(torch.int32))
+
+    @property
+    def form(self) -> str:
+        return "dense" if self.dense is not None else "packed"
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.shape
+        if self.dense is not None:
+            return self.dense
         scale, zero = self.scale_zero[..., 0].t(), self.scale_zero[..., 1].t()  # [N, K / group]
         if self.q is None:  # unpack through the kernel itself: W.T = identity @ W.T
             return self.matmul(torch.eye(K, dtype=self.scale_zero.dtype)).t().contiguous()
@@ -395,10 +416,33 @@ class Int4Weight:
         return (qg * scale[..., None] + zero[..., None]).view(N, K)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.dense is not None:
+            return linear(x, self.dense)
         if self.q is None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group,
                                                                self.scale_zero)
         return F.linear(x, self.dequantize())
+
+
+def measure_int4_forms(shape: tuple[int, int], dtype: torch.dtype, group: int = 32,
+                       margin: float = 0.1) -> tuple[str, dict[str, float]]:
+    """Which ``Int4Weight`` form multiplies faster on this CPU: median ms of 1 row (decode) plus 8 rows (a typical
+    verification) on a random matrix of ``shape`` [N, K], activations in ``dtype``. "packed" (a quarter or less of
+    the memory) stays unless "dense" is ``margin`` faster, so noise does not flip the choice, and the bits, between
+    starts."""
+    N, K = shape
+    if N % 16:
+        return "packed", {}
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g) * 0.02
+    x = torch.randn(8, K, generator=g).to(dtype)
+    report = {}
+    for form in INT4_FORMS:
+        m = Int4Weight.quantize(w, dtype, group, form)
+        report[form] = round(_median_ms(lambda a, b: b.matmul(a), x[:1], [m])
+                             + _median_ms(lambda a, b: b.matmul(a), x, [m]), 4)
+    best = "dense" if report["dense"] * (1 + margin) < report["packed"] else "packed"
+    return best, report
 
 
 QUANTIZATIONS = ("none", "int8", "int4")

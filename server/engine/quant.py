@@ -64,12 +64,13 @@ def resolve_quantization(kind: str, device: torch.device, gguf: Path | None) -> 
 
 
 def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: Path | None = None,
-                   kernels: str | None = None) -> str:
+                   kernels: str | None = None, int4_form: str = "packed") -> str:
     """Quantize ``model`` (a ``server.engine.model.Llama`` already on its device) in place; returns the kernel path
     (``kernel_path``, or ``kernels`` where given: "aten" forces PyTorch's packed kernels).
 
     ``gguf``: the file the weights were converted from; every matrix whose parts it holds as blocks of the kind served
-    is built from those blocks (the rest is quantized from the dense weights as usual).
+    is built from those blocks (the rest is quantized from the dense weights as usual). ``int4_form``: the form of
+    PyTorch's path's int4 matrices (``core.ops.Int4Weight``; ``server.engine.stepcost.choose_int4_form`` measures it).
     """
     if kind not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {kind!r}; valid: {', '.join(QUANTIZATIONS)}")
@@ -100,8 +101,8 @@ def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: Path |
             return PackedLinear(Int8Weight.quantize(w, dtype))
         stored = from_file(parts, 4)
         if stored is not None:
-            return PackedLinear(int4_from_blocks(stored, w, dtype))
-        return PackedLinear(Int4Weight.quantize(w, dtype, INT4_GROUP))
+            return PackedLinear(int4_from_blocks(stored, w, dtype, int4_form))
+        return PackedLinear(Int4Weight.quantize(w, dtype, INT4_GROUP, int4_form))
 
     with torch.no_grad():
         for i, layer in enumerate(model.layers):
@@ -133,8 +134,8 @@ def blocks_weight(parts: list[QBlocks], w: torch.Tensor) -> "qlinear.BlockQuantW
     return qlinear.BlockQuantWeight.from_blocks(q, d, m, parts[0].bits)
 
 
-def int4_from_blocks(parts: list[QBlocks], w: torch.Tensor, dtype: torch.dtype) -> Int4Weight:
-    """Q4_1 blocks (d * q + m), rows concatenated, as PyTorch's packed int4 matrix standing for ``w`` [N, K]: scale d,
-    zero m + 8 d. ``w`` only supplies the expected shape and the device."""
+def int4_from_blocks(parts: list[QBlocks], w: torch.Tensor, dtype: torch.dtype, form: str = "packed") -> Int4Weight:
+    """Q4_1 blocks (d * q + m), rows concatenated, as the int4 matrix standing for ``w`` [N, K] in ``form``: scale d,
+    low m. ``w`` only supplies the expected shape and the device."""
     q, d, m = (x.to(w.device) for x in _stack(parts, w))
-    return Int4Weight.from_groups(q.to(torch.int32), d, m + 8.0 * d, dtype, INT4_GROUP)
+    return Int4Weight.from_groups(q.to(torch.int32), d, m, dtype, INT4_GROUP, form)

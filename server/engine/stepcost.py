@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from core.ops import linear_key, measure_linear_kernels, use_linear_kernel
+from core.ops import linear_key, measure_int4_forms, measure_linear_kernels, use_linear_kernel
 from core.tree import MAX_TREE_ROWS, DraftTree
 from server.engine.step import StepPlan
 
@@ -198,6 +198,23 @@ def tune_linear(weights: list[torch.Tensor], cache_dir: Path | None) -> dict[str
     if measured:
         _remember(path, known, "kernel choice")
     return chosen
+
+
+def choose_int4_form(shape: tuple[int, int], dtype: torch.dtype, cache_dir: Path | None) -> str:
+    """The form of PyTorch's path's int4 matrices (``core.ops.measure_int4_forms``: "packed" or "dense") for
+    activations in ``dtype``, measured on the target's widest matrix ``shape`` and remembered in
+    ``cache_dir``/linear-kernels.json per machine key, as the dense kernels are: a later start multiplies the same
+    way, and so gives the same bits."""
+    path = Path(cache_dir) / KERNELS_FILE if cache_dir is not None else None
+    known = _read(path)
+    mine = known.setdefault(machine_key("int4"), {})
+    name = "int4 " + "x".join(map(str, shape)) + " " + str(dtype).removeprefix("torch.")
+    if name not in mine:
+        best, report = measure_int4_forms(shape, dtype)
+        mine[name] = {"form": best, "candidates": report}
+        log.info("%s: %s (%s)", name, best, ", ".join(f"{k} {ms:.3f} ms" for k, ms in report.items()))
+        _remember(path, known, "int4 form")
+    return mine[name]["form"]
 
 
 def _remember(path: Path | None, known: dict, what: str) -> None:

@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import torch
 
-from core.ops import DTYPES, LlamaArgs, Rope, rms_norm
+from core.ops import DTYPES, Int4Weight, LlamaArgs, Rope, rms_norm
 from server.config import EngineConfig
 from server.engine.backend import make_attention
 from server.engine.model import Llama, Segment, _local_rope_args
 from server.engine.quant import kernel_path, quantize_model, resolve_quantization
-from server.engine.stepcost import AUTO_ROWS, choose_dtype, step_curve, tune_linear
+from server.engine.stepcost import AUTO_ROWS, choose_dtype, choose_int4_form, step_curve, tune_linear
 from server.engine.weights import load_state_dict
 from server.model_files import load_hf_config, resolve_model
 
@@ -146,11 +146,22 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
 def _build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
-    kernels = quantize_model(model, quantization, dtype, gguf=resolved.gguf)
+    form = "packed"
+    if quantization == "int4" and kernel_path(quantization, device) == "aten" and device.type == "cpu":
+        form = choose_int4_form(widest_matrix(model), dtype, resolved.hf_dir)
+    kernels = quantize_model(model, quantization, dtype, gguf=resolved.gguf, int4_form=form)
     if quantization != "none":
-        log.info("quantization %s on %s (%s kernels)", quantization, device, kernels)
-    tune_linear([w for w in model.matmul_weights() if isinstance(w, torch.Tensor)], resolved.hf_dir)
+        log.info("quantization %s on %s (%s kernels%s)", quantization, device, kernels,
+                 ", int4 as dense matrices: the packed kernel measured slower here" if form == "dense" else "")
+    dense = [w.dense if isinstance(w, Int4Weight) and w.dense is not None else w for w in model.matmul_weights()]
+    tune_linear([w for w in dense if isinstance(w, torch.Tensor)], resolved.hf_dir)
     return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
+
+
+def widest_matrix(model: Llama) -> tuple[int, int]:
+    """The shape [N, K] of the model's largest block matrix (the fused gate/up one)."""
+    return max((tuple(getattr(model.layers[0], n).weight.shape) for n in ("wqkv", "wo", "w_gate_up", "w_down")),
+               key=lambda s: s[0] * s[1])
 
 
 AUTO_LAYERS = 4  # the dtype measurement's model: this many of the target's layers, its embedding and its head

@@ -11,7 +11,7 @@ from drafters.base import create_drafter
 from server.config import config_from_dict
 from server.engine import Engine, load_target
 from server.engine.quant import PackedLinear
-from server.engine.stepcost import CHOICE_FILE, choose_dtype, machine_key
+from server.engine.stepcost import CHOICE_FILE, KERNELS_FILE, choose_dtype, choose_int4_form, machine_key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,8 +50,69 @@ def test_int4_from_gguf_style_blocks_is_exact():
     q = torch.randint(0, 16, (N, K), dtype=torch.int32)
     d, m = torch.rand(N, K // G) * 0.1, torch.randn(N, K // G) * 0.1
     w = (q.view(N, K // G, G) * d[..., None] + m[..., None]).view(N, K)
-    packed = Int4Weight.from_groups(q, d, m + 8 * d, torch.float32, G)
+    packed = Int4Weight.from_groups(q, d, m, torch.float32, G)
     torch.testing.assert_close(packed.dequantize(), w, atol=1e-6, rtol=0)
+
+
+def test_the_dense_int4_form_is_the_packed_matrix_multiplied_densely():
+    torch.manual_seed(2)
+    N, K, G = 32, 64, 32
+    q = torch.randint(0, 16, (N, K), dtype=torch.int32)
+    d, m = torch.rand(N, K // G) * 0.1, torch.randn(N, K // G) * 0.1
+    packed, dense = (Int4Weight.from_groups(q, d, m, torch.float32, G, form) for form in ("packed", "dense"))
+    assert (packed.form, dense.form) == ("packed", "dense")
+    assert dense.packed.numel() == 0 and dense.q is None  # no second copy of the codes
+    w = (q.view(N, K // G, G) * d[..., None] + m[..., None]).view(N, K)
+    assert torch.equal(dense.dequantize(), w)
+    x = torch.randn(5, K)
+    torch.testing.assert_close(linear(x, dense), linear(x, packed), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="int4 form"):
+        Int4Weight.from_groups(q, d, m, torch.float32, G, "sparse")
+
+
+def test_the_int4_form_is_measured_once_and_remembered(tmp_path, monkeypatch):
+    import server.engine.stepcost as stepcost
+
+    form = choose_int4_form((64, 128), torch.float32, tmp_path)  # measured on this machine
+    entry = json.loads((tmp_path / KERNELS_FILE).read_text())[machine_key("int4")]["int4 64x128 float32"]
+    assert entry["form"] == form and set(entry["candidates"]) == {"packed", "dense"}
+    assert all(ms > 0 for ms in entry["candidates"].values())
+
+    def measure_again(*a, **k):
+        raise AssertionError("measured twice")
+
+    monkeypatch.setattr(stepcost, "measure_int4_forms", measure_again)
+    assert choose_int4_form((64, 128), torch.float32, tmp_path) == form
+
+
+def test_the_int4_target_serves_its_remembered_form_and_both_are_lossless(tiny_dir, tmp_path):
+    """Whichever form the measurement left in the cache is the one served; speculation reproduces plain decoding on
+    each, and the two compute the same model up to float32 sums."""
+    import shutil
+
+    model_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, model_dir)
+    cfg = config_from_dict({"model": {"source": str(model_dir), "dtype": "float32", "device": "cpu",
+                                      "quantization": "int4"}, "cache": {"num_slots": 1, "max_seq_len": 64}})
+    load_target(cfg, progress=False)  # measures, and remembers
+    path = model_dir / KERNELS_FILE
+    known = json.loads(path.read_text())
+    (name, entry), = [(k, v) for k, v in known[machine_key("int4")].items() if k.startswith("int4 ")]
+    logits = {}
+    for form in ("packed", "dense"):
+        entry["form"] = form
+        path.write_text(json.dumps(known))
+        target = load_target(cfg, progress=False)
+        assert {w.form for w in target.model.matmul_weights()} == {form}, name
+        plain = Engine(cfg, target=target)
+        spec = Engine(cfg, create_drafter("ngram", target, {"num_tokens": 4, "max_ngram": 2}), target)
+        for prompt in ([2, 3, 4, 2, 3, 4, 2, 3], [9, 10, 11]):
+            assert spec.generate(prompt, max_new_tokens=16).token_ids == plain.generate(prompt, max_new_tokens=16).token_ids
+        seq = plain.add([2, 3, 4, 5, 6])
+        with torch.inference_mode():
+            logits[form] = plain.logits(plain.forward(seq, [2, 3, 4, 5, 6], torch.arange(5)))
+        plain.release(seq)
+    torch.testing.assert_close(logits["dense"], logits["packed"], atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module", params=[("int8", "float32"), ("int4", "float32"), ("int8", "bfloat16")],
