@@ -7,8 +7,9 @@ subset of the vocabulary, and a random Max-Gram bigram table. Each case samples 
 independent requests at temperature > 0, some with top-k / top-p. The drafter's quality does not matter; its code
 path does. Requests without a seed go through speculative sampling's rejection rule (each request's random state
 fixed by seeding torch's global generator before it, so a run is reproducible); requests with a seed go through the
-race keyed on (seed, position) that makes them token-exact (``core.sampling``), tested here for their distribution,
-and with a control that reuses one position's clocks at every position.
+race keyed on (seed, position) that makes them token-exact (``core.sampling``): through a drafter they are tested
+token for token against plain seeded decoding, whose distribution is tested once, with a control that reuses one
+position's clocks at every position.
 
 The reference is computed without the code under test: transformers' own LlamaForCausalLM forward on the same saved
 weights (float64), this file's own temperature -> top-k -> top-p (vLLM's order, from the definitions), and every one
@@ -266,7 +267,7 @@ def request(engine: Engine, sp: SamplingParams, seed: int, seeded: bool):
     (never more rows than tokens still wanted) leaves the drafters their whole trees while the K are drawn."""
     if seeded:
         return engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=K + MAX_DRAFT)
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed's lazy per-device seeding formats a stack per call
     return engine.add(PROMPT, dataclasses.replace(sp, seed=None), max_new_tokens=K + MAX_DRAFT)
 
 
@@ -398,32 +399,78 @@ def test_negative_control_bonus_from_p_instead_of_the_residual_is_caught(tiny_di
     assert pvalue < 1e-6
 
 
+SEEDED_REQUESTS = 300  # seeds per drafter compared token for token with plain seeded decoding
+SEEDED_TOKENS = 8     # tokens compared per seed
+
+
+def seeded_tokens(engine: Engine, sp: SamplingParams, seed: int, n: int = SEEDED_TOKENS) -> list[int]:
+    seq = engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=n + MAX_DRAFT)
+    try:
+        engine.prefill(seq)
+        while seq.num_generated < n:
+            engine.step(seq)
+    finally:
+        engine.release(seq)
+    return seq.output_ids[:n]
+
+
 @pytest.mark.parametrize("name", ["glide-cape", "cascade", "falcon"])  # race-ordered candidates and siblings
-def test_seeded_sampling_through_the_drafter_matches_the_target(name, tiny_dir, target, weight_files,
-                                                                reference_logits, monkeypatch):
-    """Seeded requests: the target's draws by the race, drafts accepted where they equal them."""
+def test_seeded_sampling_through_the_drafter_is_plain_seeded_decoding(name, tiny_dir, target, weight_files,
+                                                                      monkeypatch):
+    """Seeded requests are token-exact by design: the race keyed on (seed, position) picks the target's token whatever
+    was drafted, and drafts are accepted only where they equal it. So through the drafter each seed gives plain
+    seeded decoding's tokens, token for token (a stronger check than a chi-square of the two: any draw that differs
+    fails); the next test checks plain seeded decoding's distribution against the reference."""
     case = CASES[name]
     engine = make_engine(tiny_dir, target, weight_files, name)
+    plain = Engine(_config(tiny_dir), target=target)
     cov = Coverage()
     monkeypatch.setattr(engine_module, "accept_seeded", recording(engine_module.accept_seeded, cov))
-    counts = sample_joint(engine, case.sampling, N, seed_base(name, control=6), seeded=True)
-    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, case.sampling))
-    print(f"\n{name} seeded: p = {pvalue:.4g}; {cov}")
-    assert cov.accepted >= N // 20 and cov.deep_accepts > 0 and cov.later_sibling_accepts > 0, cov
-    assert pvalue > 1e-3, f"{name}: seeded sampling does not follow the target's distribution (p = {pvalue:.3g})"
+    seed0 = seed_base(name, control=6)
+    for i in range(SEEDED_REQUESTS):
+        seed = seed0 + i * SEED_STRIDE
+        assert seeded_tokens(engine, case.sampling, seed) == seeded_tokens(plain, case.sampling, seed), (name, seed)
+    print(f"\n{name} seeded: {SEEDED_REQUESTS} seeds equal plain seeded decoding; {cov}")
+    # the speculative path really ran: drafts accepted, also two deep, and past a rejected first child
+    assert cov.accepted >= SEEDED_REQUESTS and cov.deep_accepts > 0 and cov.later_sibling_accepts > 0, cov
 
 
-def test_negative_control_seeded_clocks_reused_across_positions_are_caught(tiny_dir, target, weight_files,
-                                                                           reference_logits, monkeypatch):
+@pytest.mark.parametrize("name", ["glide-cape", "cascade", "falcon"])
+def test_negative_control_seeded_drafts_accepted_unequal_to_the_race_are_caught(name, tiny_dir, target,
+                                                                               weight_files, monkeypatch):
+    """A broken seeded rule that takes the first child at every node: its tokens leave plain seeded decoding's."""
+    engine = make_engine(tiny_dir, target, weight_files, name)
+    plain = Engine(_config(tiny_dir), target=target)
+    sp = CASES[name].sampling
+    monkeypatch.setattr(engine_module, "accept_seeded", lambda tree, probs, *a: accept_first_children(
+        tree, probs, torch.Generator().manual_seed(0)))
+    seed0 = seed_base(name, control=6)
+    differ = sum(seeded_tokens(engine, sp, seed0 + i * SEED_STRIDE) != seeded_tokens(plain, sp, seed0 + i * SEED_STRIDE)
+                 for i in range(40))
+    assert differ >= 10, differ
+
+
+def test_plain_seeded_decoding_matches_the_target(tiny_dir, target, reference_logits):
+    """The race keyed on (seed, position) samples the target's distribution: plain seeded decoding, every case's
+    shaping that the seeded cases above use, N seeds."""
+    plain = Engine(_config(tiny_dir), target=target)
+    sp = CASES["glide-cape"].sampling
+    counts = sample_joint(plain, sp, N, seed_base("glide-cape", control=6), seeded=True)
+    pvalue = chi2_pvalue(counts, reference_joint(reference_logits, sp))
+    print(f"\nplain seeded: p = {pvalue:.4g}")
+    assert pvalue > 1e-3, f"seeded sampling does not follow the target's distribution (p = {pvalue:.3g})"
+
+
+def test_negative_control_seeded_clocks_reused_across_positions_are_caught(tiny_dir, target, reference_logits,
+                                                                           monkeypatch):
     """Clocks keyed on the seed alone (every position of a request runs the same race): each token alone still
     follows its marginal, but successive tokens are no longer independent draws."""
-    name = "glide-cape"
     real = sampling_module.token_clocks
     for module in (sampling_module, engine_module, acceptance_module, glide_module):
         monkeypatch.setattr(module, "token_clocks", lambda seed, position, vocab: real(seed, 0, vocab))
-    engine = make_engine(tiny_dir, target, weight_files, name)
-    sp = CASES[name].sampling
-    counts = sample_joint(engine, sp, N_CONTROL, seed_base(name, control=7), seeded=True)
+    plain = Engine(_config(tiny_dir), target=target)
+    sp = CASES["glide-cape"].sampling
+    counts = sample_joint(plain, sp, N_CONTROL, seed_base("glide-cape", control=7), seeded=True)
     assert chi2_pvalue(counts, reference_joint(reference_logits, sp)) < 1e-6
 
 
