@@ -52,8 +52,8 @@ V = 16                              # the tiny target's vocabulary (tests/confte
 PROMPT = [3, 7, 1, 12, 5, 9, 3, 7]  # with repeats, for n-gram / Max-Gram matches
 K = 3                               # tokens per request: the first from prefill, then speculative steps
 MAX_DRAFT = 64                      # tokens a request asks for beyond the K counted: the row budget never binds
-N = 6000                            # requests per drafter
-N_CONTROL = 1500                    # requests per negative control (a quarter of N: it must fail even so)
+N = 4000                            # requests per drafter
+N_CONTROL = 1500                    # requests per negative control (fewer than N: it must fail even so)
 GLIDE_VOCAB = 12                    # GLIDE's LM head keeps a random 12 of the 16 tokens (its vocab_ids path)
 BATCH = 8                           # requests per batched target forward in the batched cases
 SEED_STRIDE = 1000  # request seeds far apart (independent requests; drafters hash their own streams from them)
@@ -509,7 +509,7 @@ def test_every_registered_drafter_has_a_case():
 # Token 4 banned, 9 and 3 moved, penalties strong enough to reshape the tiny target's distributions at each position.
 SHAPING = dict(presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.4, min_p=0.02,
                logit_bias=((3, -2.0), (4, -100.0), (9, 1.5)))
-N_SHAPED = 3000  # requests per drafter (half of N: the shaping cases' power is shown by the controls below)
+N_SHAPED = 2000  # requests per drafter (half of N: the shaping cases' power is shown by the controls below)
 
 
 def shaped_case(name: str) -> SamplingParams:

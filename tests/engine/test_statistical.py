@@ -63,7 +63,7 @@ def _prefilled(engine: Engine, sp: SamplingParams):
     return seq
 
 
-def speculative_pvalue(engine: Engine, sp: SamplingParams, n: int = 20_000) -> float:
+def speculative_pvalue(engine: Engine, sp: SamplingParams, n: int = 10_000) -> float:
     """Chi-square p-value of n speculative (t1, t2) draws against the exact joint, from one prefilled context."""
     seq = _prefilled(engine, sp)
     try:
