@@ -44,8 +44,9 @@ def test_greedy_equals_transformers_on_the_same_file(gemma):
     from transformers import AutoModelForCausalLM
 
     cfg, target, tok, prompts = gemma
-    gguf = resolve_model("gemma3-270m", cfg.model.cache_dir, progress=False).gguf
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    # the converted directory is transformers' own reading of the file (from_pretrained(gguf_file=...), saved): the
+    # same weights as loading the file again, without de-quantizing it a second time
+    hf = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=torch.float32).eval()
     ours = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
     for ids, got in zip(prompts, ours):
         with torch.inference_mode():
