@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-quick test-floor serve bench bench-llamacpp clean prometheus jemalloc
+.PHONY: setup test test-quick test-floor serve bench bench-llamacpp gpu-check clean prometheus jemalloc
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: setup
 # specserve on the same GGUF file and prompts, one client, one run (reports under bench-llamacpp/).
 bench-llamacpp: setup jemalloc
 	deploy/bench/vs-llamacpp.sh $(CONFIG)
+
+# The GPU path checked and measured in one run of at most ten minutes (deploy/bench/gpu_check.py): compiled kernel
+# tests, exactness and lossless checks on CUDA, `bench steps`, `bench offline` and `bench serve`; a JSON record and
+# a markdown summary under $(OUT), else docs/gpu/DATE-DEVICE/. Without CUDA: a small dry run on the CPU.
+gpu-check: setup
+	$(PY) deploy/bench/gpu_check.py $(if $(OUT),--out $(OUT)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache
