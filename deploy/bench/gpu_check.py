@@ -9,8 +9,8 @@ such and the next one runs, so a cut run still leaves a record:
   lossless   greedy output of every drafter equals plain decoding, bfloat16 and float32 (`bench offline`)
   batched    every drafter's batch of sequences equals each sequence run alone, float32
   steps      the step-cost curve, 1..256 rows (`bench steps`)
-  serve      `bench serve` at concurrency 1, 4, 16, 64 against `specserve serve`, plain and the best drafter
-             of the bfloat16 `lossless` run
+  serve      `bench serve` at concurrency 1, 4, 16, 64 against `specserve serve` in bfloat16, plain and the best
+             drafter of the bfloat16 `lossless` run
 
 It writes gpu-check.json (every stage: status, seconds, figures, the command, the output's tail) and gpu-check.md
 under $OUT, else docs/gpu/<date>-<device>/. Without CUDA it is a dry run on the CPU: the GPU-only stages say
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 DRAFTERS = ("ngram", "maxgram", "glide", "glide-cape", "cascade", "falcon", "glide-adaptive", "falcon-adaptive")
 
-# seconds per stage as a share of the whole budget (they sum to less than 1: start-up and writing the record)
+# each stage's share of the budget still left when it starts (plus 0.04 kept back: start-up and writing the record)
 SHARES = {"env": 0.01, "kernels": 0.12, "exactness": 0.15, "lossless": 0.25, "batched": 0.08, "steps": 0.1,
           "serve": 0.25}
 
@@ -132,6 +132,15 @@ def _pytest_summary(tail: str) -> str:
     return lines[-1].strip("= ") if lines else ""
 
 
+def prompts(out: Path, small: bool) -> str:
+    """The bench prompts (deploy/prompts/bench.jsonl); small: its first three."""
+    if not small:
+        return "deploy/prompts/bench.jsonl"
+    path = out / "prompts-small.jsonl"
+    path.write_text("".join((ROOT / "deploy/prompts/bench.jsonl").read_text().splitlines(keepends=True)[:3]))
+    return str(path)
+
+
 def stage_lossless(gpu: bool, out: Path, budget: float, small: bool) -> dict:
     device = "cuda" if gpu else "cpu"
     drafters = DRAFTERS[:2] if small else DRAFTERS
@@ -139,7 +148,7 @@ def stage_lossless(gpu: bool, out: Path, budget: float, small: bool) -> dict:
     for dtype in ("bfloat16", "float32"):
         report = out / f"offline-{dtype}.json"
         cmd = [PY, "-m", "specserve", "bench", "offline", "--device", device, "--dtype", dtype,
-               "--quantization", "none", "--drafter", ",".join(drafters), "--prompts", "deploy/prompts/bench.jsonl",
+               "--quantization", "none", "--drafter", ",".join(drafters), "--prompts", prompts(out, small),
                "--max-tokens", "16" if small else "96", "--repeats", "1" if small else "3", "--json", str(report)]
         r = _run(cmd, budget / 2, log=out / f"offline-{dtype}.log")
         results.append(r)
@@ -219,6 +228,7 @@ def stage_steps(gpu: bool, out: Path, budget: float, small: bool) -> dict:
 def stage_serve(gpu: bool, out: Path, budget: float, small: bool, best: str | None) -> dict:
     device = "cuda" if gpu else "cpu"
     levels = "1,4" if small else "1,4,16,64"
+    dtype = "bfloat16" if gpu else "float32"  # a CPU without AMX runs bfloat16 several times slower
     figures, runs = {}, []
     t_end = time.monotonic() + budget
     for drafter in ["none"] + ([best] if best and best != "none" else []):
@@ -227,17 +237,17 @@ def stage_serve(gpu: bool, out: Path, budget: float, small: bool, best: str | No
             runs.append({"status": f"timed out before {drafter} started", "seconds": 0.0, "command": "", "tail": ""})
             break
         port = _free_port()
-        server = subprocess.Popen([PY, "-m", "specserve", "serve", "--device", device, "--dtype", "bfloat16",
+        server = subprocess.Popen([PY, "-m", "specserve", "serve", "--device", device, "--dtype", dtype,
                                    "--quantization", "none", "--drafter", drafter, "--host", "127.0.0.1",
                                    "--port", str(port)], cwd=ROOT, stdout=open(out / f"serve-{drafter}.log", "w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            if not _wait_ready(port, server, min(left / 2, 300)):
+            if not _wait_ready(port, server, left * 0.6):
                 runs.append({"status": f"{drafter}: server not ready", "seconds": 0.0, "command": "", "tail": ""})
                 continue
             report = out / f"serve-{drafter}.json"
             r = _run([PY, "-m", "specserve", "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--prompts",
-                      "deploy/prompts/bench.jsonl", "--concurrency", levels, "--max-tokens", "16" if small else "64",
+                      prompts(out, small), "--concurrency", levels, "--max-tokens", "16" if small else "64",
                       "--json", str(report)], t_end - time.monotonic(), log=out / f"bench-serve-{drafter}.log")
             runs.append(r)
             if report.is_file():
@@ -301,7 +311,7 @@ def markdown(record: dict) -> str:
                          f"{r['lossless']} |")
     serve = record["stages"].get("serve", {}).get("figures", {})
     for drafter, rep in serve.items():
-        lines += ["", f"Served, bfloat16, `{drafter}` (`bench serve`):", "", "| concurrency | output tok/s | "
+        lines += ["", f"Served, `{drafter}` (`bench serve`):", "", "| concurrency | output tok/s | "
                   "TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|"]
         for lv in rep.get("levels", []):
             ms = [None if (lv.get(k) or {}).get("median") is None else round(1000 * lv[k]["median"], 1)
@@ -337,9 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu-check.json").write_text(json.dumps(record, indent=1))
         (out / "gpu-check.md").write_text(markdown(record))
 
-    for name, fn in list(stages.items()) + [("serve", None)]:
+    order = list(stages.items()) + [("serve", None)]
+    for i, (name, fn) in enumerate(order):
         left = args.budget - (time.monotonic() - t0)
-        budget = min(SHARES[name] * args.budget, left)
+        # this stage's share of what is left: time a stage did not use (skipped, or done early) goes to the rest
+        budget = left * SHARES[name] / (sum(SHARES[n] for n, _ in order[i:]) + 0.04)
         print(f"gpu-check: {name} ({budget:.0f} s budget)", flush=True)
         if budget < 5:
             record["stages"][name] = {"status": "skipped: the run's budget is spent"}
