@@ -509,7 +509,7 @@ def test_every_registered_drafter_has_a_case():
 # Token 4 banned, 9 and 3 moved, penalties strong enough to reshape the tiny target's distributions at each position.
 SHAPING = dict(presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.4, min_p=0.02,
                logit_bias=((3, -2.0), (4, -100.0), (9, 1.5)))
-N_SHAPED = 2000  # requests per drafter (half of N: the shaping cases' power is shown by the controls below)
+N_SHAPED = 3000  # requests per drafter (three quarters of N: the shaping cases' power is shown by the controls below)
 
 
 def shaped_case(name: str) -> SamplingParams:
