@@ -38,6 +38,7 @@ class FakeTokenizer:
     """One character per token: id t decodes to chr(ord('a') + t % 26)."""
 
     eos_token_id = None
+    chat_template = "{{ messages | map(attribute='content') | join }}"  # what apply_chat_template below renders
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + int(t) % 26) for t in ids)
