@@ -298,7 +298,8 @@ def markdown(record: dict) -> str:
     env = record["stages"]["env"].get("figures", {})
     lines = [f"# gpu-check {record['date']}: {record['device']}", "",
              f"Commit {record['commit']}, torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}; "
-             f"CPU {env.get('cpu')} ({env.get('cpu_cores')} cores). Budget {record['budget_s']} s, "
+             f"CPU {env.get('cpu')} ({env.get('cpu_cores')} cores; {' '.join(env.get('cpu_features') or []) or 'none'} "
+             f"of AMX / AVX-512 / AVX2). Budget {record['budget_s']} s, "
              f"ran {record['seconds']} s.", "", "| stage | status | seconds |", "|---|---|---|"]
     for name, st in record["stages"].items():
         lines.append(f"| {name} | {st['status']} | {st.get('seconds', '')} |")
