@@ -71,7 +71,8 @@ def _run(cmd: list[str], budget: float, env: dict | None = None, log: Path | Non
         text = out.read()
     if log is not None:
         log.write_text(text)
-    return {"status": status, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(cmd),
+    shown = [os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(str(ROOT)) else c for c in cmd]
+    return {"status": status, "seconds": round(time.monotonic() - t0, 1), "command": shlex.join(shown),
             "tail": text[-1500:]}
 
 
