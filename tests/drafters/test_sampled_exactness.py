@@ -261,28 +261,32 @@ def seed_base(name: str, control: int = 0) -> int:
     return 1 + 10 * SEED_ORDER.index(name) + 3 * control
 
 
-def request(engine: Engine, sp: SamplingParams, seed: int, seeded: bool):
+def request(engine: Engine, sp: SamplingParams, seed: int, seeded: bool, k: int = K):
     """A request seeded ``seed``, or (``seeded`` false) one without a seed whose random streams torch's global
-    generator, seeded ``seed`` here, sets. It asks for more tokens than the K counted, so the engine's row budget
-    (never more rows than tokens still wanted) leaves the drafters their whole trees while the K are drawn."""
+    generator, seeded ``seed`` here, sets. It asks for more tokens than the ``k`` counted, so the engine's row budget
+    (never more rows than tokens still wanted) leaves the drafters their whole trees while the k are drawn."""
     if seeded:
-        return engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=K + MAX_DRAFT)
+        return engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=k + MAX_DRAFT)
     torch.default_generator.manual_seed(seed)  # torch.manual_seed's lazy per-device seeding formats a stack per call
-    return engine.add(PROMPT, dataclasses.replace(sp, seed=None), max_new_tokens=K + MAX_DRAFT)
+    return engine.add(PROMPT, dataclasses.replace(sp, seed=None), max_new_tokens=k + MAX_DRAFT)
+
+
+def generate(engine: Engine, seq, k: int = K) -> list[int]:
+    """Prefill ``seq`` alone, step it until it has ``k`` tokens, release it; its first k tokens."""
+    try:
+        engine.prefill(seq)
+        while seq.num_generated < k:
+            engine.step(seq)
+    finally:
+        engine.release(seq)
+    return seq.output_ids[:k]
 
 
 def sample_joint(engine: Engine, sp: SamplingParams, n: int, seed0: int, seeded: bool = False) -> torch.Tensor:
     """Counts [V, V, V] of the K tokens generated after PROMPT by n independent requests (seeds seed0 + i * stride)."""
     counts = torch.zeros(V, V, V)
     for i in range(n):
-        seq = request(engine, sp, seed0 + i * SEED_STRIDE, seeded)
-        try:
-            engine.prefill(seq)
-            while seq.num_generated < K:
-                engine.step(seq)
-        finally:
-            engine.release(seq)
-        counts[tuple(seq.output_ids[:K])] += 1
+        counts[tuple(generate(engine, request(engine, sp, seed0 + i * SEED_STRIDE, seeded)))] += 1
     return counts
 
 
@@ -403,15 +407,8 @@ SEEDED_REQUESTS = 300  # seeds per drafter compared token for token with plain s
 SEEDED_TOKENS = 8     # tokens compared per seed
 
 
-def seeded_tokens(engine: Engine, sp: SamplingParams, seed: int, n: int = SEEDED_TOKENS) -> list[int]:
-    seq = engine.add(PROMPT, dataclasses.replace(sp, seed=seed), max_new_tokens=n + MAX_DRAFT)
-    try:
-        engine.prefill(seq)
-        while seq.num_generated < n:
-            engine.step(seq)
-    finally:
-        engine.release(seq)
-    return seq.output_ids[:n]
+def seeded_tokens(engine: Engine, sp: SamplingParams, seed: int) -> list[int]:
+    return generate(engine, request(engine, sp, seed, seeded=True, k=SEEDED_TOKENS), SEEDED_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["glide-cape", "cascade", "falcon"])  # race-ordered candidates and siblings
