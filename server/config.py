@@ -76,6 +76,16 @@ class ServerConfig:
     # the log probabilities returned: raw = the model's log-softmax (before logit_bias, penalties and temperature,
     # vLLM's default); processed = of the distribution a token was drawn from (after all of the request's shaping)
     logprobs_mode: str = "raw"
+    # the most tokens one request may ask to generate over its choices, n x max_tokens (a request without max_tokens
+    # asks for the rest of the context); above it a 400. null: no ceiling
+    max_request_tokens: int | None = None
+    # accept the `ignore_eos` request field (generation past end-of-sequence, for benchmarks); off, it is a 400
+    allow_ignore_eos: bool = False
+    # faults: the worker reports itself unhealthy after this many consecutive steps failed in the engine (a fault no
+    # single request can be blamed for); the API process restarts a dead or unhealthy worker at most
+    # `worker_restarts` times in any 10 minutes, then exits with status 1 for its supervisor to restart it
+    unhealthy_after_failed_steps: int = 3
+    worker_restarts: int = 3
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,12 @@ class EngineConfig:
             raise ConfigError("server.max_waiting must be >= 0")
         if self.server.max_step_tokens is not None and self.server.max_step_tokens < 1:
             raise ConfigError("server.max_step_tokens must be >= 1 (or null: from the measured step cost)")
+        if self.server.unhealthy_after_failed_steps < 1:
+            raise ConfigError("server.unhealthy_after_failed_steps must be >= 1")
+        if self.server.worker_restarts < 0:
+            raise ConfigError("server.worker_restarts must be >= 0 (0: the server exits when its worker dies)")
+        if self.server.max_request_tokens is not None and self.server.max_request_tokens < 1:
+            raise ConfigError("server.max_request_tokens must be >= 1 (or null: no ceiling)")
         if self.server.draft_budget not in DRAFT_BUDGETS:
             raise ConfigError(f"server.draft_budget must be one of {DRAFT_BUDGETS}, got {self.server.draft_budget!r}")
         if self.server.logprobs_mode not in LOGPROBS_MODES:

@@ -76,12 +76,18 @@ class Metrics:
                                        ln, registry=r)
         self.step_prefill_tokens = Counter("specserve_step_prefill_tokens", "Prompt tokens prefilled in steps", ln,
                                            registry=r)
+        self.worker_restarts = Counter("specserve_worker_restarts",
+                                       "Times the API process restarted a dead worker, or one whose engine failed "
+                                       "every step", ln, registry=r)
+        self.engine_failed_steps = Gauge("specserve_engine_failed_steps",
+                                         "Consecutive steps that failed in the engine as a whole (0 after a step ran)",
+                                         ln, registry=r)
         for o in OUTCOMES:  # export zeros so dashboards and balance checks see every outcome from the start
             self.requests.labels(**self.labels, outcome=o)
         for p in range(1, MAX_POSITIONS + 1):
             self.accepted_per_position.labels(**self.labels, position=str(p))
         for series in (self.kv_usage, self.kv_cached_usage, self.prefix_queries, self.prefix_hits,
-                       self.prefix_evictions):
+                       self.prefix_evictions, self.worker_restarts, self.engine_failed_steps):
             series.labels(**self.labels)
 
     def of(self, metric, **extra):
@@ -99,6 +105,7 @@ class Metrics:
             self.of(self.waiting).set(msg.waiting)
             self.of(self.kv_usage).set(msg.kv_usage)
             self.of(self.kv_cached_usage).set(msg.kv_cached_usage)
+            self.of(self.engine_failed_steps).set(msg.failed_steps)
             for name, counter in (("prefix_queries", self.prefix_queries), ("prefix_hits", self.prefix_hits),
                                   ("prefix_evictions", self.prefix_evictions)):
                 now, before = getattr(msg, name), self._prefix_seen[name]
@@ -123,6 +130,12 @@ class Metrics:
                     self.of(self.accepted_per_position, position=str(min(p, MAX_POSITIONS))).inc()
                 self.of(self.accepted_length).observe(st.accepted_tokens + 1)
                 self.of(self.draft_length).observe(st.draft_tokens)
+
+    def worker_restarted(self) -> None:
+        """A new worker: its cumulative counters start again from zero."""
+        self.of(self.worker_restarts).inc()
+        self.of(self.engine_failed_steps).set(0)
+        self._prefix_seen = dict.fromkeys(self._prefix_seen, 0)
 
     def outcome(self, outcome: str) -> None:
         self.of(self.requests, outcome=outcome).inc()

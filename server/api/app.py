@@ -98,7 +98,8 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_timeout: float = 30.0) -> int:
-    """Run the API process until SIGTERM/SIGINT (exit 0 after draining) or the worker's death (exit 1)."""
+    """Run the API process until SIGTERM/SIGINT (exit 0 after draining), or until its worker died more often than
+    ``server.worker_restarts`` allows (exit 1; the client restarts it within that budget)."""
     import uvicorn
 
     from core.ops import LlamaArgs
@@ -115,7 +116,8 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     server: uvicorn.Server | None = None
 
     def on_death():
-        # In-flight requests have been failed; stop serving so Docker / Kubernetes restart the container.
+        # Past the restart budget: in-flight requests have been failed; stop serving so Docker / Kubernetes restart
+        # the container.
         if server is not None:
             asyncio.get_running_loop().call_later(0.5, lambda: setattr(server, "should_exit", True))
 
@@ -126,6 +128,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_slots=ready.num_slots))  # as sized
     metrics = Metrics(cfg.server.served_model_name or ready.model_id, ready.drafter)
     worker.add_listener(metrics.on_worker_message)
+    worker.on_restart = metrics.worker_restarted
     state = ServerState(cfg=cfg, worker=worker, tokenizer=tokenizer, metrics=metrics,
                         model_name=cfg.server.served_model_name or ready.model_id,
                         stop_token_ids=list(stop_token_ids(tokenizer, args.eos_token_ids)), api_key=api_key,
@@ -144,6 +147,6 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     finally:
         worker.shutdown(timeout=drain_timeout)
     if worker.crashed:
-        log.error("exiting with status 1: the worker process died")
+        log.error("exiting with status 1: the worker process died and was not restarted")
         return 1
     return 0

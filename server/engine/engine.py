@@ -30,6 +30,7 @@ from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling,
 from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
                                    make_decode_group_attention, make_row_kernel_attention)
 from server.engine.constrained import constrain_tree
+from server.engine.faults import FaultPlan, fault_of
 from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
 from server.engine.model import CpuRows, RowGroup, Segment
 from server.engine.prefix_cache import Hit, PrefixCache
@@ -72,6 +73,7 @@ class Engine:
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
         self._running: dict[int, Sequence] = {}  # slot -> the sequence running in it
         self._grammar_tokenizer: GrammarTokenizer | None = None
+        self.faults: FaultPlan | None = None  # a test hook (server.engine.faults): None in production
 
     @property
     def grammar_tokenizer(self) -> GrammarTokenizer:
@@ -118,11 +120,18 @@ class Engine:
         # prompt logprobs need every prompt row's logits: nothing cached is reused
         hit = Hit(None, 0) if sampling.prompt_logprobs is not None else self.prefix_hit(prompt_ids, namespace)
         slot = self._take_slot(hit)
-        if hit.length and slot != hit.slot:
-            self._copy_rows(hit.slot, slot, hit.length)
-        self.prefix.count(len(prompt_ids), hit.length)
-        self.prefix.hold(ns, prompt_ids, slot)
-        gen = request_generator(sampling, self.device)
+        try:
+            if hit.length and slot != hit.slot:
+                self._copy_rows(hit.slot, slot, hit.length)
+            self.prefix.count(len(prompt_ids), hit.length)
+            self.prefix.hold(ns, prompt_ids, slot)
+            gen = request_generator(sampling, self.device)
+            if self.faults:
+                self.faults.check("admit", [prompt_ids])
+        except BaseException:  # nothing runs in the slot: free it (its rows may be half copied)
+            self.prefix.drop(slot)
+            self.pool.free(slot)
+            raise
         seq = Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
                        prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
@@ -352,35 +361,41 @@ class Engine:
         distributions (``core.sampling``), so neither the batch nor the draft changes them.
         """
         out: dict[int, list[int]] = {}
+        failed: dict[int, BaseException] = {}  # a sequence whose own part of the step raised: out of the step
+
+        def isolated(seq: Sequence, fn, *args):
+            """fn(*args), or None when it raised for this sequence alone (recorded in `failed`)."""
+            try:
+                return fn(*args)
+            except BaseException as e:
+                if not fault_of(e):
+                    raise
+                failed[seq.seq_id] = e
+                return None
+
         trees = []  # (seq, tree, drafted, propose seconds)
         for seq in plan.decode:
             if seq.finish_reason is not None:
                 out[seq.seq_id] = []
                 continue
-            room = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated)
-            cap = min(room, plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
-            seq.max_rows = cap
-            before = seq.stats.draft_seconds
-            tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
-            if seq.matcher is not None and room > 1:
-                # grammar-invalid drafts out, forced tokens in: a step the budget keeps plain (cap 1) still
-                # verifies the tokens the grammar forces, drafts accepted but for a different tokenization
-                cap = cap if cap > 1 else room
-                tree = constrain_tree(tree, seq.matcher, cap)
-            tree = tree.truncate(cap).depth_first()  # the likeliest chain first (DraftTree.depth_first)
-            trees.append((seq, tree, seq.max_rows > 1, seq.stats.draft_seconds - before))
+            item = isolated(seq, self._plan_tree, seq, plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
+            if item is not None:
+                trees.append(item)
         chunks = []  # (seq, first prompt row, rows)
         for seq, n in plan.prefill:
             start = seq.cache_len
             n = min(n, seq.prompt_len - start)
             if n < 1:
-                raise ValueError(f"sequence {seq.seq_id} has no prompt tokens left to prefill")
+                failed[seq.seq_id] = ValueError(f"sequence {seq.seq_id} has no prompt tokens left to prefill")
+                continue
             chunks.append((seq, start, n))
         parts = [self._tree_rows(seq, tree) for seq, tree, _, _ in trees]
         parts += [(seq, seq.token_ids[start:start + n], torch.arange(start, start + n, device=self.device), None)
                   for seq, start, n in chunks]
         if not parts:
-            return StepResult(out, {})
+            return StepResult(out, {}, failed=failed)
+        if self.faults:
+            self.faults.check("forward", [seq.token_ids[:seq.prompt_len] for seq, *_ in parts])
         ends = list(accumulate(len(p[1]) for p in parts))
         spans = list(zip([0] + ends[:-1], ends))  # each part's rows of the forward: trees first, then chunks
         tree_spans, chunk_spans = spans[:len(trees)], spans[len(trees):]
@@ -393,27 +408,60 @@ class Engine:
         logit_rows = list(range(tree_rows)) + [row for _, row in completing]
         logits = self.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
-        accepted = [self._accept(seq, tree, logits[a:b]) for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
-        self._compact_many([(seq, rows) for (seq, _, _, _), (rows, _, _) in zip(trees, accepted)])
+        accepted = [isolated(seq, self._accept, seq, tree, logits[a:b])
+                    for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
+        self._compact_many([(seq, acc[0]) for (seq, _, _, _), acc in zip(trees, accepted) if acc is not None])
         steps = {}
-        for (seq, tree, drafted, draft_s), (rows, tokens, lps), (a, b) in zip(trees, accepted, tree_spans):
-            out[seq.seq_id], num_accepted = self._finish_step(seq, tree, rows, tokens, lps, hidden[a:b], seconds,
-                                                              drafted)
-            steps[seq.seq_id] = SeqStep(tree.num_draft, num_accepted, draft_s)
+        for (seq, tree, drafted, draft_s), acc, (a, b) in zip(trees, accepted, tree_spans):
+            if acc is None:
+                continue
+            rows, tokens, lps = acc
+            done = isolated(seq, self._finish_step, seq, tree, rows, tokens, lps, hidden[a:b], seconds, drafted)
+            if done is not None:
+                out[seq.seq_id] = done[0]
+                steps[seq.seq_id] = SeqStep(tree.num_draft, done[1], draft_s)
         for (seq, start, n), (a, b) in zip(chunks, chunk_spans):
-            if seq.prompt_logprobs is not None:
-                self._prompt_logprobs(seq, start, hidden[a:b])
-            self._advance(seq, hidden[a:b])
-            out[seq.seq_id] = []
+            if isolated(seq, self._prefilled, seq, start, hidden[a:b]) is not None:
+                out[seq.seq_id] = []
         for row, (seq, _) in enumerate(completing, start=tree_rows):  # the prompt is cached: its first token
-            out[seq.seq_id] = self._first_token(seq, logits[row:row + 1])
-        return StepResult(out, steps, seconds)
+            if seq.seq_id not in failed:
+                first = isolated(seq, self._first_token, seq, logits[row:row + 1])
+                if first is not None:
+                    out[seq.seq_id] = first
+        return StepResult(out, steps, seconds, failed)
+
+    def _plan_tree(self, seq: Sequence, max_rows: int) -> tuple[Sequence, DraftTree, bool, float]:
+        """The tree one decoding sequence verifies this step: its drafter's proposal capped at ``max_rows`` (and by
+        what the request and the context still hold), grammar-constrained -> (seq, tree, drafted, draft seconds)."""
+        room = min(MAX_TREE_ROWS, self.max_seq_len - seq.cache_len, seq.max_new_tokens - seq.num_generated)
+        cap = min(room, max_rows)
+        seq.max_rows = cap
+        before = seq.stats.draft_seconds
+        tree = self._propose(seq) if cap > 1 else DraftTree.root_only(seq.token_ids[-1])
+        if seq.matcher is not None and room > 1:
+            # grammar-invalid drafts out, forced tokens in: a step the budget keeps plain (cap 1) still
+            # verifies the tokens the grammar forces, drafts accepted but for a different tokenization
+            cap = cap if cap > 1 else room
+            tree = constrain_tree(tree, seq.matcher, cap)
+        if self.faults:
+            self.faults.check("propose", [seq.token_ids[:seq.prompt_len]])
+        tree = tree.truncate(cap).depth_first()  # the likeliest chain first (DraftTree.depth_first)
+        return seq, tree, seq.max_rows > 1, seq.stats.draft_seconds - before
+
+    def _prefilled(self, seq: Sequence, start: int, hidden: torch.Tensor) -> bool:
+        """A prompt chunk [start, start + n) was computed: its prompt logprobs (when asked for), its rows cached."""
+        if seq.prompt_logprobs is not None:
+            self._prompt_logprobs(seq, start, hidden)
+        self._advance(seq, hidden)
+        return True
 
     def _accept(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor
                 ) -> tuple[list[int], list[int], list | None]:
         """(accepted rows, emitted tokens, their logprobs or None) of one tree, with the sequence's own seed or
         generator, every row the walk reads shaped with its own path's state."""
         sp, shaper = seq.sampling, seq.shaper
+        if self.faults:
+            self.faults.check("accept", [seq.token_ids[:seq.prompt_len]])
         if sp.greedy:
             rows = logits if shaper is None else ShapedRows(tree, logits, shaper)
             path, tokens = accept_greedy(tree, rows)
@@ -504,6 +552,8 @@ class Engine:
         if seq.max_new_tokens == 0:
             seq.finish_reason = "length"
             return []
+        if self.faults:
+            self.faults.check("first", [seq.token_ids[:seq.prompt_len]])
         sp = seq.sampling
         rows = logits if seq.shaper is None else seq.shaper(logits[0])[None]
         if sp.greedy:

@@ -37,6 +37,9 @@ class StepResult:
     emitted: dict[int, list[int]]   # seq_id -> tokens emitted (a prompt's first token comes with its last chunk)
     steps: dict[int, SeqStep]       # seq_id -> its share, for every decoding sequence that stepped
     forward_seconds: float = 0.0    # wall time of the target forward (logits included)
+    # seq_id -> the fault that ended it in this step (its own drafting, shaping, sampling or bookkeeping raised): the
+    # caller fails that request and frees its slot without caching; the step went on for the others
+    failed: dict[int, BaseException] = field(default_factory=dict)
 
 
 def prefill_chunks(seqs: Iterable[Sequence], room: int) -> list[tuple[Sequence, int]]:

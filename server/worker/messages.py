@@ -112,6 +112,7 @@ class Aborted(msgspec.Struct, tag="aborted", frozen=True):
 class Pong(msgspec.Struct, tag="pong", frozen=True):
     request_id: str
     busy_s: float = 0.0  # how long the scheduler has been inside its current prefill or step (0: between two)
+    failed_steps: int = 0  # consecutive steps that failed in the engine as a whole (0 after a step that ran)
 
 
 class Status(msgspec.Struct, tag="status", frozen=True):
@@ -125,6 +126,7 @@ class Status(msgspec.Struct, tag="status", frozen=True):
     prefix_queries: int = 0
     prefix_hits: int = 0
     prefix_evictions: int = 0
+    failed_steps: int = 0  # as in Pong
 
 
 class Step(msgspec.Struct, tag="step", frozen=True):

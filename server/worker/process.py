@@ -44,7 +44,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     """Entry point of the worker process: build the engine, announce it, then serve until told to stop."""
     import torch
 
-    from server.engine import Engine
+    from server.engine import Engine, faults
     from server.engine.stepcost import BUDGET_ROWS, STEP_GAP_FACTOR, step_costs, step_token_budget
     from server.worker.budget import DraftBudget
     from server.worker.scheduler import Scheduler
@@ -53,6 +53,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     if os.environ.get("SPECSERVE_WORKER_THREADS"):
         torch.set_num_threads(int(os.environ["SPECSERVE_WORKER_THREADS"]))
     engine = Engine(cfg)
+    engine.faults = faults.from_env()
     send_lock = threading.Lock()  # the scheduler and the reader thread (pongs) both send
 
     def send(msg: m.FromWorker) -> None:
@@ -76,8 +77,8 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     sched = Scheduler(engine, send, cfg.server.max_waiting, max_step, budget)
     freeze_startup_heap()
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the scheduler, or the exception that ended reading
-    threading.Thread(target=_worker_reader, args=(conn, inbox, sched.busy_s, send), name="specserve-worker-reader",
-                     daemon=True).start()
+    threading.Thread(target=_worker_reader, args=(conn, inbox, lambda: m.Pong("", sched.busy_s(), sched.failed_steps),
+                                                  send), name="specserve-worker-reader", daemon=True).start()
 
     def poll(timeout: float = 0.0) -> None:
         """Handle every queued message (wait up to `timeout` seconds for the first), then update the gauges."""
@@ -106,14 +107,15 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
         log.info("API process went away; worker exits")
 
 
-def _worker_reader(conn: Connection, inbox: queue.SimpleQueue, busy_s: Callable[[], float],
+def _worker_reader(conn: Connection, inbox: queue.SimpleQueue, state: Callable[[], m.Pong],
                    send: Callable[[m.FromWorker], None]) -> None:
     """Worker side: drain the pipe continuously; answer probes here, queue everything else for the scheduler."""
     try:
         while True:
             msg = m.decode_to_worker(conn.recv_bytes())
             if isinstance(msg, m.Ping):
-                send(m.Pong(msg.request_id, busy_s()))
+                now = state()
+                send(m.Pong(msg.request_id, now.busy_s, now.failed_steps))
             else:
                 inbox.put(msg)
     except (EOFError, OSError):
@@ -126,113 +128,220 @@ class WorkerDied(RuntimeError):
     """The worker process exited or stopped answering."""
 
 
-class WorkerClient:
-    """API-process side: start the worker, submit requests, route replies, notice the worker's death."""
+RESTART_WINDOW_S = 600.0  # server.worker_restarts counts the restarts within this many seconds
 
-    def __init__(self, cfg: EngineConfig, on_death: Callable[[], None] | None = None):
-        self.cfg = cfg
-        self.on_death = on_death
-        self.ready: m.Ready | None = None
-        self.dead = False
-        self.crashed = False  # died without being told to shut down
-        self._closing = False
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # encoded messages for the writer thread; None ends it
-        self._listeners: list[Callable[[m.FromWorker], None]] = []
+
+class _Link:
+    """One worker process and the pipe to it, with the queue its writer thread sends from."""
+
+    def __init__(self, cfg: EngineConfig):
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, CUDA-safe
-        self._conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_main, args=(cfg, child), name="specserve-worker", daemon=True)
-        self._child = child
+        self.conn, self._child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_main, args=(cfg, self._child), name="specserve-worker", daemon=True)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # encoded messages for the writer thread; None ends it
 
-    def start(self, timeout: float = 600.0) -> m.Ready:
-        """Start the worker and block until it has loaded the model (first GGUF conversion included)."""
+    def start(self, timeout: float) -> m.Ready:
+        """Start the process and block until it has loaded the model; then start the writer thread."""
         self.process.start()
         self._child.close()
         deadline = time.monotonic() + timeout
-        while not self._conn.poll(0.2):
+        while not self.conn.poll(0.2):
             if not self.process.is_alive():
                 raise WorkerDied(f"worker exited during start-up (exit code {self.process.exitcode})")
             if time.monotonic() > deadline:
+                self.process.kill()
                 raise WorkerDied("worker did not become ready in time")
-        msg = m.decode_from_worker(self._conn.recv_bytes())
+        msg = m.decode_from_worker(self.conn.recv_bytes())
         if not isinstance(msg, m.Ready):
+            self.process.kill()
             raise WorkerDied(f"unexpected first message from the worker: {msg!r}")
-        self.ready = msg
         threading.Thread(target=self._writer, name="specserve-worker-writer", daemon=True).start()
         return msg
+
+    def _writer(self) -> None:
+        """Send queued messages in order; blocking here (a full pipe) never blocks the event loop."""
+        while (data := self.outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):  # the worker is gone: the reader sees the pipe close and reports it
+                return
+
+
+class WorkerClient:
+    """API-process side: start the worker, submit requests, route replies, notice the worker's death or an engine
+    that fails every step, and restart it.
+
+    A restart (at most ``server.worker_restarts`` within RESTART_WINDOW_S) fails the requests that were running
+    (they had received output) with a clear error; the ones that had not started are sent again to the new worker,
+    once: a request that was pending through two deaths fails (it may be what kills the worker). While the worker
+    restarts, ``alive`` is False (new requests are refused with a 503) and ``restarting`` is True. Past the budget, or
+    when a restart fails, ``on_death`` runs (``serve`` exits with status 1 for its supervisor to restart it)."""
+
+    def __init__(self, cfg: EngineConfig, on_death: Callable[[], None] | None = None,
+                 on_restart: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.on_death, self.on_restart = on_death, on_restart
+        self.ready: m.Ready | None = None
+        self.dead = False
+        self.crashed = False  # died without being told to shut down, and was not restarted
+        self.restarting = False
+        self.restarts: list[float] = []  # monotonic times of the restarts so far
+        self.failed_steps = 0  # the worker's count of consecutive steps failed as a whole (Status, Pong)
+        self._closing = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._unstarted: dict[str, m.Generate] = {}  # submitted, no answer from the worker yet
+        self._resent: set[str] = set()  # sent again to a restarted worker
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[Callable[[m.FromWorker], None]] = []
+        self._link = _Link(cfg)
+
+    @property
+    def process(self):
+        return self._link.process
+
+    def start(self, timeout: float = 600.0) -> m.Ready:
+        """Start the worker and block until it has loaded the model (first GGUF conversion included)."""
+        self.ready = self._link.start(timeout)
+        return self.ready
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Begin routing worker messages into ``loop`` (call from the serving event loop)."""
         self._loop = loop
-        threading.Thread(target=self._reader, name="specserve-worker-reader", daemon=True).start()
+        self._read(self._link)
+
+    def _read(self, link: _Link) -> None:
+        threading.Thread(target=self._reader, args=(link,), name="specserve-worker-reader", daemon=True).start()
 
     def add_listener(self, fn: Callable[[m.FromWorker], None]) -> None:
         """``fn`` sees every message on the event loop (metrics)."""
         self._listeners.append(fn)
 
-    def _reader(self) -> None:
+    def _reader(self, link: _Link) -> None:
         try:
             while True:
                 # what has arrived goes to the loop in one wake-up (a step sends several messages)
-                batch = [m.decode_from_worker(self._conn.recv_bytes())]
-                while len(batch) < 64 and self._conn.poll(0):
-                    batch.append(m.decode_from_worker(self._conn.recv_bytes()))
+                batch = [m.decode_from_worker(link.conn.recv_bytes())]
+                while len(batch) < 64 and link.conn.poll(0):
+                    batch.append(m.decode_from_worker(link.conn.recv_bytes()))
                 try:
-                    self._loop.call_soon_threadsafe(self._dispatch_all, batch)
+                    self._loop.call_soon_threadsafe(self._dispatch_all, link, batch)
                 except RuntimeError:  # loop closed
                     return
         except (EOFError, OSError):
             pass
         except Exception:  # a malformed message means the worker is broken: treat as death
             log.exception("bad message from the worker")
+            link.process.kill()
         try:
-            self._loop.call_soon_threadsafe(self._died)
+            self._loop.call_soon_threadsafe(self._died, link)
         except RuntimeError:  # the serving loop is already closed: we are shutting down
             self.dead = True
 
-    def _writer(self) -> None:
-        """Send queued messages in order; blocking here (a full pipe) never blocks the event loop."""
-        while (data := self._outbox.get()) is not None:
-            try:
-                self._conn.send_bytes(data)
-            except (OSError, ValueError):  # the worker is gone: the reader sees the pipe close and reports it
-                return
-
-    def _dispatch_all(self, msgs: list[m.FromWorker]) -> None:
+    def _dispatch_all(self, link: _Link, msgs: list[m.FromWorker]) -> None:
+        if link is not self._link:
+            return  # a worker already replaced
         for msg in msgs:
             self._dispatch(msg)
 
     def _dispatch(self, msg: m.FromWorker) -> None:
         for fn in self._listeners:
             fn(msg)
+        if isinstance(msg, (m.Status, m.Pong)):
+            self._engine_health(msg.failed_steps)
         if isinstance(msg, (m.Status, m.Step)):  # for the listeners (metrics) only
             return
+        self._unstarted.pop(msg.request_id, None)
         q = self._queues.get(msg.request_id)
         if q is not None:
             q.put_nowait(msg)
             if isinstance(msg, (m.Failed, m.Aborted, m.Pong)) or (isinstance(msg, m.Tokens) and msg.finish_reason):
                 self._queues.pop(msg.request_id, None)
+                self._resent.discard(msg.request_id)
 
-    def _died(self) -> None:
-        if self.dead:
+    @property
+    def failing(self) -> bool:
+        """The engine has failed ``server.unhealthy_after_failed_steps`` steps in a row."""
+        return self.failed_steps >= self.cfg.server.unhealthy_after_failed_steps
+
+    def _engine_health(self, failed_steps: int) -> None:
+        self.failed_steps = failed_steps
+        if self.failing and not self.dead and not self._closing:
+            log.error("the engine failed %d steps in a row: restarting the worker", failed_steps)
+            self._link.process.kill()  # the reader sees the pipe close: _died restarts it
+
+    def _died(self, link: _Link) -> None:
+        if self.dead or link is not self._link:
             return
         self.dead = True
+        link.outbox.put(None)
         if self._closing:
             return
-        self.crashed = True
-        log.error("the worker process died (exit code %s)", self.process.exitcode)
+        now = time.monotonic()
+        recent = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        can_restart = len(recent) < self.cfg.server.worker_restarts
+        log.error("the worker process died (exit code %s)%s", link.process.exitcode,
+                  "; restarting it" if can_restart else
+                  f"; {len(recent)} restarts in the last {RESTART_WINDOW_S:.0f} s: not restarting it")
+        keep = {rid for rid in self._unstarted if rid not in self._resent and rid in self._queues} \
+            if can_restart else set()
         for rid, q in list(self._queues.items()):
-            q.put_nowait(m.Failed(rid, "the worker process died", kind="server_error"))
+            if rid not in keep:
+                q.put_nowait(m.Failed(rid, "the model worker process died while this request was in it"
+                                      + ("; it is being restarted" if can_restart else ""), kind="server_error"))
+                self._queues.pop(rid, None)
+                self._unstarted.pop(rid, None)
+        if not can_restart:
+            self.crashed = True
+            if self.on_death:
+                self.on_death()
+            return
+        self.restarting = True
+        self.restarts = recent + [now]
+        threading.Thread(target=self._restart, name="specserve-worker-restart", daemon=True).start()
+
+    def _restart(self) -> None:
+        """A new worker (its own thread: loading the model takes seconds to minutes); the loop takes it over."""
+        link = _Link(self.cfg)
+        try:
+            ready = link.start(timeout=600.0)
+        except Exception as e:
+            log.exception("the worker could not be restarted")
+            self._loop.call_soon_threadsafe(self._restart_failed, e)
+            return
+        self._loop.call_soon_threadsafe(self._restarted, link, ready)
+
+    def _restarted(self, link: _Link, ready: m.Ready) -> None:
+        self._link, self.ready = link, ready
+        self.dead, self.restarting, self.failed_steps = False, False, 0
+        if self._closing:
+            self.shutdown()
+            return
+        self._read(link)
+        log.info("worker restarted (pid %d); sending it the %d requests that had not started", link.process.pid,
+                 len(self._unstarted))
+        for rid, req in list(self._unstarted.items()):
+            self._resent.add(rid)
+            self._send(req)
+        if self.on_restart:
+            self.on_restart()
+
+    def _restart_failed(self, e: Exception) -> None:
+        self.restarting = False
+        self.crashed = True
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(m.Failed(rid, f"the model worker process died and could not be restarted: {e}",
+                                  kind="server_error"))
         self._queues.clear()
+        self._unstarted.clear()
         if self.on_death:
             self.on_death()
 
     def _send(self, msg: m.ToWorker) -> None:
         """Queue `msg` for the writer thread (never blocks)."""
         if self.dead:
-            raise WorkerDied("the worker process is not running")
-        self._outbox.put(m.encode(msg))
+            raise WorkerDied("the worker process is restarting" if self.restarting else
+                             "the worker process is not running")
+        self._link.outbox.put(m.encode(msg))
 
     def submit(self, req: m.Generate | m.Ping) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -242,13 +351,21 @@ class WorkerClient:
         except WorkerDied:
             self._queues.pop(req.request_id, None)
             raise
+        if isinstance(req, m.Generate):
+            self._unstarted[req.request_id] = req
         return q
 
     def abort(self, request_id: str, final: bool = False) -> None:
         """Tell the worker to drop the request. Nothing more is routed to its queue, unless `final`: then the queue
         gets the worker's last word on it, `Aborted` with the stats so far or the finishing `Tokens`."""
         held = request_id in self._queues if final else self._queues.pop(request_id, None) is not None
-        if held and not self.dead:
+        if self.dead:  # restarting: the new worker never hears of it
+            self._unstarted.pop(request_id, None)
+            q = self._queues.pop(request_id, None)
+            if q is not None and final:
+                q.put_nowait(m.Aborted(request_id, None))
+            return
+        if held:
             try:
                 self._send(m.Abort(request_id))
             except WorkerDied:
@@ -276,16 +393,19 @@ class WorkerClient:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._closing = True
+        link = self._link
         if self.alive:
             try:
                 self._send(m.Shutdown())
             except WorkerDied:
                 pass
-        self._outbox.put(None)  # the writer ends after sending what is queued
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
+        link.outbox.put(None)  # the writer ends after sending what is queued
+        if link.process.pid is None:
+            return  # never started
+        link.process.join(timeout)
+        if link.process.is_alive():
+            link.process.terminate()
+            link.process.join(5)
 
 
 def new_request_id(prefix: str) -> str:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from core.sampling import SamplingParams
 from server.engine import Engine, RequestError, Sequence, StepPlan, prefill_chunks
+from server.engine.faults import fault_of
 from server.worker import messages as m
 from server.worker.budget import DraftBudget
 
@@ -43,6 +44,7 @@ class Scheduler:
         self._last_status: tuple | None = None
         self._busy_since: float | None = None  # monotonic start of the engine call in progress
         self._held: dict[str, float] = {}  # request id -> when it began waiting for another's prefill
+        self.failed_steps = 0  # consecutive steps that failed in the engine as a whole (0 after one that ran)
 
     def busy_s(self) -> float:
         """Seconds the engine call in progress (a prefill or a step) has run; 0 between two. Safe from any thread."""
@@ -96,6 +98,12 @@ class Scheduler:
             except (RequestError, ValueError) as e:
                 self.send(m.Failed(rid, str(e)))
                 continue
+            except BaseException as e:  # a fault admitting this one request (a grammar engine's panic, memory)
+                if not fault_of(e):
+                    raise
+                log.exception("admitting request %s failed", rid)
+                self.send(m.Failed(rid, fault_message("while admitting this request", e), kind="server_error"))
+                continue
             self.running[rid] = seq
 
     def _wait_for_prefill(self, rid: str, req: m.Generate) -> bool:
@@ -130,15 +138,24 @@ class Scheduler:
         self._busy_since = started = time.monotonic()
         try:
             result = self.engine.run(plan)
-        except Exception as e:  # an engine fault fails the requests of this step, not the worker
-            log.exception("a step of %d requests failed in the engine", len(batch))
+        except BaseException as e:  # a fault of the step as a whole fails its requests, not the worker
+            if not fault_of(e):
+                raise
+            self.failed_steps += 1
+            log.exception("a step of %d requests failed in the engine (%d in a row)", len(batch), self.failed_steps)
             for rid, seq in batch.items():
-                self.running.pop(rid, None)
-                self.engine.release(seq, cache=False)  # its rows may be half written
-                self.send(m.Failed(rid, f"engine error: {type(e).__name__}: {e}", kind="server_error"))
+                self._fail(rid, seq, fault_message("in a step with this request (not in any one request's part of it)", e))
             return
         finally:
             self._busy_since = None
+        self.failed_steps = 0
+        if result.failed:
+            by_seq = {seq.seq_id: rid for rid, seq in batch.items()}
+            for seq_id, e in result.failed.items():
+                rid = by_seq[seq_id]
+                log.error("request %s failed in the engine: %s: %s", rid, type(e).__name__, e, exc_info=e)
+                self._fail(rid, batch.pop(rid), fault_message("in this request's part of a step", e))
+                decoding.pop(rid, None)
         seconds = time.monotonic() - started
         steps = result.steps  # seq_id -> this step's share
         drafted = sum(st.draft_tokens for st in steps.values())
@@ -171,15 +188,27 @@ class Scheduler:
                 prompt_lps = [None if e is None else m.Logprob(*e) for e in seq.prompt_logprobs]
             self.send(m.Tokens(rid, tokens, stats, seq.finish_reason, usage, lps, prompt_lps))
 
+    def _fail(self, rid: str, seq: Sequence, message: str) -> None:
+        """A fault ended the request: tell the API process, free its slot without caching (its rows may be half
+        written) and its drafter state."""
+        self.running.pop(rid, None)
+        self.engine.release(seq, cache=False)
+        self.budget.forget(seq)
+        self.send(m.Failed(rid, message, kind="server_error"))
+
     def status(self) -> None:
         """Send the gauges when they changed."""
         running, cached = self.engine.kv_usage()
         p = self.engine.prefix
         now = (len(self.running), len(self.waiting), round(running, 4), round(cached, 4), p.queries, p.hits,
-               p.evictions)
+               p.evictions, self.failed_steps)
         if now != self._last_status:
             self._last_status = now
             self.send(m.Status(*now))
+
+
+def fault_message(where: str, e: BaseException) -> str:
+    return f"the engine failed {where}: {type(e).__name__}: {e}"
 
 
 def sampling_params(req: m.Generate) -> SamplingParams:
