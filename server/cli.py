@@ -118,8 +118,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cfg = config_from_args(a, a.drafter)
     host = a.host or cfg.server.host
     port = a.port if a.port is not None else cfg.server.port
-    api_key = a.api_key or os.environ.get("SPECSERVE_API_KEY") or None
-    return serve(cfg, host, port, api_key, drain_timeout=a.drain_timeout)
+    from server.api.auth import ApiKeys
+
+    env_key = os.environ.get("SPECSERVE_API_KEY")
+    try:
+        keys = ApiKeys.of(a.api_key or ([env_key] if env_key else []),
+                          a.api_key_file or os.environ.get("SPECSERVE_API_KEY_FILE") or None)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"API keys: {e}") from None
+    return serve(cfg, host, port, keys, drain_timeout=a.drain_timeout)
 
 
 # `bench serve` options that belong to one workload: flag -> (attribute, workload, default)
@@ -210,7 +217,12 @@ def add_commands(sub) -> None:
     common_options(s)
     s.add_argument("--host", default=None, help="bind address (default: the config's server.host)")
     s.add_argument("--port", type=int, default=None, help="port (default: the config's server.port)")
-    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (also $SPECSERVE_API_KEY)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require `Authorization: Bearer KEY`; repeat for several keys, each its own prefix-cache "
+                        "partition (also $SPECSERVE_API_KEY, one key)")
+    s.add_argument("--api-key-file", default=None,
+                   help="a file of keys, one per line, each optionally followed by a tenant name whose keys share "
+                        "one prefix-cache partition (also $SPECSERVE_API_KEY_FILE)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     s.set_defaults(func=cmd_serve)

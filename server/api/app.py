@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 
+from server.api.auth import ApiKeys
 from server.api.errors import BodySizeLimitMiddleware, install_error_handlers
 from server.api.logprobs import TokenText
 from server.api.structured import GrammarCompiler
@@ -31,8 +32,9 @@ class ServerState:
     metrics: Metrics
     model_name: str
     stop_token_ids: list[int]
-    api_key: str | None
+    api_key: str | ApiKeys | None  # the keys callers must present (a single key as a string); None: anyone
     created: int
+    api_keys: ApiKeys | None = field(init=False)
     token_text: TokenText = field(init=False)  # token strings and bytes, for log probabilities
     # response_format and tool grammars checked against the model's tokenizer (built on first use; `serve` builds
     # it at startup)
@@ -40,6 +42,7 @@ class ServerState:
     template_knows_tools: bool = field(init=False)  # the chat template renders `tools` itself
 
     def __post_init__(self):
+        self.api_keys = self.api_key if not isinstance(self.api_key, str) else ApiKeys.of([self.api_key])
         self.token_text = TokenText(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.worker.ready.vocab_size, self.stop_token_ids)
         self.template_knows_tools = template_knows_tools(self.tokenizer)
@@ -97,7 +100,7 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_timeout: float = 30.0) -> int:
+def serve(cfg: EngineConfig, host: str, port: int, api_keys: ApiKeys | None, drain_timeout: float = 30.0) -> int:
     """Run the API process until SIGTERM/SIGINT (exit 0 after draining), or until its worker died more often than
     ``server.worker_restarts`` allows (exit 1; the client restarts it within that budget)."""
     import uvicorn
@@ -131,7 +134,7 @@ def serve(cfg: EngineConfig, host: str, port: int, api_key: str | None, drain_ti
     worker.on_restart = metrics.worker_restarted
     state = ServerState(cfg=cfg, worker=worker, tokenizer=tokenizer, metrics=metrics,
                         model_name=cfg.server.served_model_name or ready.model_id,
-                        stop_token_ids=list(stop_token_ids(tokenizer, args.eos_token_ids)), api_key=api_key,
+                        stop_token_ids=list(stop_token_ids(tokenizer, args.eos_token_ids)), api_key=api_keys,
                         created=int(time.time()))
     state.grammars.tokenizer  # the grammar engine's view of the vocabulary, before the first request needs it
     app = create_app(state)

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors for every failure the HTTP layer can produce, body-size limiting and API-key checks.
+"""OpenAI-shaped errors for every failure the HTTP layer can produce, and body-size limiting (API keys:
+``server.api.auth``).
 
 Every error response has the body ``{"error": {"message", "type", "param", "code"}}``. The ``type`` strings follow
 OpenAI's:
@@ -16,10 +17,9 @@ Validation failures are always 400, never FastAPI's 422.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -227,30 +227,3 @@ class BodySizeLimitMiddleware:
                 raise
         if exceeded and not started:
             await send_error(send, self._too_large(), [(b"connection", b"close")])
-
-
-# -- API key -----------------------------------------------------------------------------------------------------
-def bearer_token(request: Request) -> str:
-    """The key the client presented as `Authorization: Bearer <key>`, or "" when it sent none. Starlette decodes
-    header bytes as latin-1, so `.encode("latin-1")` recovers the bytes the client sent."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def api_key_dependency(expected: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A FastAPI dependency requiring ``Authorization: Bearer <expected>``; with ``expected`` None it allows all.
-
-    An empty key is refused at construction: it would look configured while nobody can send it."""
-    if expected is not None and not expected:
-        raise ValueError("the API key must not be empty (use None to disable authentication)")
-    want = expected.encode("utf-8") if expected is not None else None
-
-    async def require_api_key(request: Request) -> None:
-        if want is None:
-            return
-        token = bearer_token(request)
-        if not token or not hmac.compare_digest(token.encode("latin-1"), want):
-            raise APIError(401, "Missing or incorrect API key: send it as `Authorization: Bearer <key>`.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    return require_api_key

@@ -292,6 +292,26 @@ class _SamplingRequest(_Request):
         """Whether a limit of 0 tokens is a request (completions' `echo`)."""
         return False
 
+    @model_validator(mode="after")
+    def _no_stop_with_a_grammar(self) -> "_SamplingRequest":
+        """Stop strings are matched on the generated text, grammar-constrained or not: one could cut a JSON answer
+        or a tool call short and return it as finished. So `stop` is refused with any output a grammar constrains
+        (under tool_choice 'auto' too, where a call may follow free text); the grammar ends such output itself."""
+        if self.stop:
+            what = self._grammar_fields()
+            if what is not None:
+                raise _field_error("stop", f"`stop` cannot be used with {what}: a stop string could cut the "
+                                   "grammar-constrained output short and return it as finished. Send the request "
+                                   "without `stop` (the output ends when the grammar is complete).", self.stop)
+        return self
+
+    def _grammar_fields(self) -> str | None:
+        """The fields whose grammar constrains the output, in words (None: free text)."""
+        fmt = getattr(self, "response_format", None)
+        if fmt is not None and fmt.constrained:
+            return f"`response_format` of type '{fmt.type}'"
+        return None
+
     @field_validator(*_NEUTRAL, check_fields=False)
     @classmethod
     def _neutral_only(cls, v: Any, info: ValidationInfo) -> Any:
@@ -351,6 +371,13 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _field_error(field, f"`{field}` names the function '{choice.name[:64]}', which is not among the "
                                f"request's {'functions' if legacy else 'tools'}.", None)
         return self
+
+    def _grammar_fields(self) -> str | None:
+        plan = self.tool_plan()
+        if plan is not None and plan.active:
+            return ("`functions` (unless `function_call` is 'none')" if plan.legacy
+                    else "`tools` (unless `tool_choice` is 'none')")
+        return super()._grammar_fields()
 
     def tool_plan(self) -> ToolPlan | None:
         """The request's tools as one plan (legacy `functions` mapped onto tools), or None without any."""

@@ -1,27 +1,88 @@
-"""HTTP routes: chat and text completions (JSON or SSE), models, health, metrics."""
+"""HTTP routes: chat and text completions (JSON or SSE), models, health, metrics.
+
+A completion request is admitted in this order, so that a server that will refuse it spends nothing on it: the API
+key and the body's size (middleware and dependency), the request model's validation (cheap shape checks, schema size
+and depth caps), then the cheap checks against this server (`n` against the KV slots, the worker alive, `logit_bias`
+ids, `ignore_eos`, an explicit `max_tokens` against `server.max_request_tokens`) and the queue-full check, and only
+then the work: schema validation, grammar compilation, the chat template and tokenization, in a thread pool of their
+own (`PrepPool`, a few threads and a bound on the jobs it holds; when it is full the request gets the same 503 as a
+full waiting queue). A request being prepared counts against the waiting queue until it is submitted, so a burst
+cannot all pass the queue-full check before any of it reaches the worker.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from typing import Annotated, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
-from server.api.errors import APIError, api_key_dependency, bearer_token
+from server.api.auth import caller_partition
+from server.api.errors import APIError
 from server.api.generation import Choices, TokenLogprob, cache_namespace
 from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
-from server.api.structured import FieldError, compile_checked, response_format_grammar
+from server.api.structured import RESPONSE_SCHEMA, FieldError, check_schema, compile_checked, response_format_grammar
 from server.api.tools import ToolPlan, ToolReply, tool_grammar_lark
 from server.tokenization import ChatTemplateError, encode_chat, encode_text
 from server.worker.process import new_request_id
 
 router = APIRouter()
 STUCK_S = 10.0  # /health: a worker this long inside one prefill or step (or this long silent) is unhealthy
+PREP_THREADS = 2  # threads that tokenize, render chat templates and compile grammars for admitted requests
+PREP_MAX_JOBS = 128  # requests the preparation pool holds at once, queued or running; beyond: 503 queue_full
+
+
+def _queue_full() -> APIError:
+    return APIError(503, "the server is overloaded: the waiting queue is full; retry later", "server_error",
+                    None, "queue_full", headers={"Retry-After": "1"})
+
+
+class PrepPool:
+    """The work of preparing admitted requests (JSON schema validation, grammar compilation, chat templates,
+    tokenization), off the event loop on a few threads of its own, with a bound on the jobs it holds (queued or
+    running): beyond it a request is refused with 503 `queue_full`, as a full waiting queue refuses it. `reserved`
+    counts the choices of admitted requests not yet submitted to the worker (the queue-full check counts them)."""
+
+    def __init__(self, threads: int = PREP_THREADS, max_jobs: int = PREP_MAX_JOBS):
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="specserve-prepare")
+        self.max_jobs = max_jobs
+        self.reserved = 0  # event loop only
+        self._jobs = 0  # queued or running; released from the thread that finishes a job
+        self._lock = threading.Lock()
+
+    def _release(self, _future=None) -> None:
+        with self._lock:
+            self._jobs -= 1
+
+    async def run(self, fn: Callable[..., Any], *args) -> Any:
+        """``fn(*args)`` on the pool (its exceptions raised here); APIError 503 when the pool is full. A job whose
+        caller goes away before it starts is dropped; one already running finishes and still holds its place."""
+        with self._lock:
+            if self._jobs >= self.max_jobs:
+                raise _queue_full()
+            self._jobs += 1
+        try:
+            future = self._executor.submit(fn, *args)
+        except BaseException:
+            self._release()
+            raise
+        future.add_done_callback(self._release)  # before wrap_future's: the place is free when the caller resumes
+        return await asyncio.wrap_future(future)
+
+
+def _prep_pool(request: Request) -> PrepPool:
+    """The app's preparation pool (made on first use)."""
+    state = request.app.state
+    pool = getattr(state, "prep", None)
+    if pool is None:
+        pool = state.prep = PrepPool()
+    return pool
 
 
 def _state(request: Request):
@@ -29,8 +90,8 @@ def _state(request: Request):
 
 
 async def _auth(request: Request) -> None:
-    s = _state(request)
-    await api_key_dependency(s.api_key)(request)
+    """The API key check (server.api.auth); the caller's prefix-cache partition goes on the request's state."""
+    request.state.cache_partition = caller_partition(_state(request).api_keys, request)
 
 
 Auth = Annotated[None, Depends(_auth)]
@@ -44,21 +105,38 @@ def _check_model(s, model: str) -> None:
 
 def _grammar(s, req, plan: ToolPlan | None) -> str | None:
     """The grammar the request's output must match (the tools' when they are active, else `response_format`'s;
-    None: free text), compiled and checked against the model's tokenizer; what cannot be enforced is a 400 naming
-    the field (each tool's schema checked on its own first, so the message names the tool)."""
+    None: free text), its schemas validated against their metaschema, compiled and checked against the model's
+    tokenizer; what cannot be enforced is a 400 naming the field (each tool's schema checked on its own first, so the
+    message names the tool). Runs in the preparation pool."""
     from core.grammar import json_schema_grammar, lark_grammar
+
+    def refuse(param: str, e: FieldError) -> APIError:
+        return APIError(400, str(e), "invalid_request_error", param, "invalid_value")
 
     def check(param: str, what: str, build) -> str | None:
         try:
             return compile_checked(s.grammars, build, what)
         except FieldError as e:
-            raise APIError(400, str(e), "invalid_request_error", param, "invalid_value") from None
+            raise refuse(param, e) from None
 
     fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        try:
+            check_schema(fmt.schema, RESPONSE_SCHEMA)
+        except FieldError as e:
+            raise refuse("response_format", e) from None
+    field = "functions" if plan is not None and plan.legacy else "tools"
+    tools = plan.tools if plan is not None else []
+    for i, tool in enumerate(tools):  # every tool's, as the request model checked them before (active or not)
+        if tool.parameters is not None:
+            where = f"functions[{i}]" if plan.legacy else f"tools[{i}].function"
+            try:
+                check_schema(tool.parameters, f"`{where}.parameters`")
+            except FieldError as e:
+                raise refuse(field, e) from None
     grammar = check("response_format", "The JSON schema of `response_format`", lambda: response_format_grammar(fmt))
     if plan is None or not plan.active:
         return grammar
-    field = "functions" if plan.legacy else "tools"
     for i, tool in enumerate(plan.tools):
         where = f"functions[{i}]" if plan.legacy else f"tools[{i}].function"
         check(field, f"The JSON schema `{where}.parameters`",
@@ -66,12 +144,26 @@ def _grammar(s, req, plan: ToolPlan | None) -> str | None:
     return check(field, f"The call grammar of `{field}`", lambda: lark_grammar(tool_grammar_lark(plan, fmt)))
 
 
-def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None = None,
-             grammar: str | None = None) -> Choices:
-    """Vocabulary and context checks, admission control, and submission of the request's n choices to the worker
-    (`echo`: the prompt text each choice's text starts with; `grammar`: what the output must match). (No check for a
-    draining server: on SIGTERM uvicorn closes the listening socket and every idle connection first, so no new
-    request reaches a route.)"""
+def _check_request_tokens(s, choices: int, max_tokens: int, default: bool) -> None:
+    """`n` x `max_tokens` at most `server.max_request_tokens` (`default`: max_tokens is the rest of the context, the
+    request sent none). Over it: a 400 naming `max_tokens` when one choice alone is over, else `n`."""
+    ceiling = s.cfg.server.max_request_tokens
+    if ceiling is None or choices * max_tokens <= ceiling:
+        return
+    why = " (`max_tokens` defaults to the rest of the context)" if default else ""
+    if choices == 1:
+        asked = f"`max_tokens` is {max_tokens}{why}"
+    else:
+        asked = f"`n` x `max_tokens` is {choices} x {max_tokens} = {choices * max_tokens} tokens{why}"
+    raise APIError(400, f"{asked}, above this server's limit of {ceiling} tokens per request "
+                   f"(`server.max_request_tokens`): ask for fewer choices or a smaller `max_tokens`.",
+                   "invalid_request_error", "n" if choices > 1 and max_tokens <= ceiling else "max_tokens",
+                   "invalid_value")
+
+
+def _admit(s, pool: PrepPool, req) -> dict:
+    """The checks that cost nothing, then the queue-full check, before any work is spent on the request; returns
+    its sampling parameters. Requests in the preparation pool count against the queue (`pool.reserved`)."""
     choices = req.n
     slots = s.worker.ready.num_slots
     if choices > slots:
@@ -79,13 +171,47 @@ def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None =
                        f"slots): ask for at most {slots} choices per request.", "invalid_request_error", "n",
                        "invalid_value")
     if not s.worker.alive:
-        raise APIError(503, "the model worker is not running", "server_error", None, "worker_unavailable")
+        raise APIError(503, "the model worker is restarting; retry shortly" if s.worker.restarting else
+                       "the model worker is not running", "server_error", None, "worker_unavailable",
+                       headers={"Retry-After": "5"} if s.worker.restarting else None)
     sampling = sampling_from(req)
     vocab = s.worker.ready.vocab_size
     outside = sorted(t for t in sampling["logit_bias"] if t >= vocab)
     if outside:
         raise APIError(400, f"`logit_bias` names token {outside[0]}, outside this model's vocabulary [0, {vocab}).",
                        "invalid_request_error", "logit_bias", "invalid_value")
+    if sampling["ignore_eos"] and not s.cfg.server.allow_ignore_eos:
+        raise APIError(400, "`ignore_eos` is not enabled on this server: generating past end-of-sequence is for "
+                       "benchmarks, and needs the server started with `server.allow_ignore_eos: true`.",
+                       "invalid_request_error", "ignore_eos", "unsupported_parameter")
+    if sampling["max_tokens"] is not None:
+        _check_request_tokens(s, choices, sampling["max_tokens"], default=False)
+    if s.worker.in_flight + pool.reserved + choices > s.cfg.cache.num_slots + s.cfg.server.max_waiting:
+        raise _queue_full()
+    return sampling
+
+
+async def _prepare(s, request: Request, req, prepare: Callable[[], tuple[list[int], str | None, str | None]]
+                   ) -> Choices:
+    """Admit the request (`_admit`), run `prepare()` -> (prompt ids, grammar, echo) in the preparation pool, then
+    the context checks and submission of its n choices to the worker (`echo`: the prompt text each choice's text
+    starts with; `grammar`: what the output must match). (No check for a draining server: on SIGTERM uvicorn closes
+    the listening socket and every idle connection first, so no new request reaches a route.)"""
+    pool = _prep_pool(request)
+    sampling = _admit(s, pool, req)
+    choices = req.n
+    pool.reserved += choices
+    try:
+        prompt_ids, grammar, echo = await pool.run(prepare)
+        return _submit(s, request, req, sampling, prompt_ids, echo, grammar)
+    finally:
+        pool.reserved -= choices
+
+
+def _submit(s, request: Request, req, sampling: dict, prompt_ids: list[int], echo: str | None,
+            grammar: str | None) -> Choices:
+    """Context checks and submission of the request's n choices to the worker."""
+    choices = req.n
     ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
     if n >= ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {n} tokens "
@@ -94,15 +220,13 @@ def _prepare(s, request: Request, req, prompt_ids: list[int], echo: str | None =
     max_tokens = sampling["max_tokens"]
     if max_tokens is None:
         max_tokens = ctx - n
+        _check_request_tokens(s, choices, max_tokens, default=True)
     elif n + max_tokens > ctx:
         raise APIError(400, f"This model's maximum context length is {ctx} tokens; you requested {n + max_tokens} "
                        f"tokens ({n} in the prompt, {max_tokens} for the completion).", "invalid_request_error",
                        "max_tokens", "context_length_exceeded")
-    if s.worker.in_flight + choices > s.cfg.cache.num_slots + s.cfg.server.max_waiting:
-        raise APIError(503, "the server is overloaded: the waiting queue is full; retry later", "server_error",
-                       None, "queue_full", headers={"Retry-After": "1"})
     request_id = new_request_id("req")
-    namespace = cache_namespace(bearer_token(request), req.cache_salt, s.cfg.cache.prefix_caching, request_id)
+    namespace = cache_namespace(request.state.cache_partition, req.cache_salt, s.cfg.cache.prefix_caching, request_id)
     group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids,
                     {**sampling, "max_tokens": max_tokens, "grammar": grammar},
                     [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
@@ -238,33 +362,40 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth
     s = _state(request)
     _check_model(s, req.model)
     plan = req.tool_plan()
-    grammar = await run_in_threadpool(_grammar, s, req, plan)
-    messages, tools = req.template_messages(s.template_knows_tools)
-    try:
-        prompt_ids = await run_in_threadpool(encode_chat, s.tokenizer, messages, tools)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), "invalid_request_error", "messages", None) from None
-    return await _respond(request, req, _prepare(s, request, req, prompt_ids, grammar=grammar), chat=True,
-                          plan=plan)
+
+    def prepare() -> tuple[list[int], str | None, None]:
+        grammar = _grammar(s, req, plan)
+        messages, tools = req.template_messages(s.template_knows_tools)
+        try:
+            return encode_chat(s.tokenizer, messages, tools), grammar, None
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_request_error", "messages", None) from None
+
+    return await _respond(request, req, await _prepare(s, request, req, prepare), chat=True, plan=plan)
 
 
 @router.post("/v1/completions", tags=["completions"])
 async def completions(req: CompletionRequest, request: Request, _: Auth):
     s = _state(request)
     _check_model(s, req.model)
-    if isinstance(req.prompt, str):
-        prompt_ids = await run_in_threadpool(encode_text, s.tokenizer, req.prompt)
-    else:
-        prompt_ids = list(req.prompt)
-        vocab = s.worker.ready.vocab_size
-        if any(t >= vocab for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
-                           None)
-    grammar = await run_in_threadpool(_grammar, s, req, None)
-    echo = None
-    if req.echo:  # the prompt as sent; token ids as they decode, special tokens included
-        echo = req.prompt if isinstance(req.prompt, str) else s.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-    return await _respond(request, req, _prepare(s, request, req, prompt_ids, echo, grammar), chat=False)
+
+    def prepare() -> tuple[list[int], str | None, str | None]:
+        if isinstance(req.prompt, str):
+            prompt_ids = encode_text(s.tokenizer, req.prompt)
+        else:
+            prompt_ids = list(req.prompt)
+            vocab = s.worker.ready.vocab_size
+            if any(t >= vocab for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt",
+                               None)
+        grammar = _grammar(s, req, None)
+        echo = None
+        if req.echo:  # the prompt as sent; token ids as they decode, special tokens included
+            echo = (req.prompt if isinstance(req.prompt, str)
+                    else s.tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        return prompt_ids, grammar, echo
+
+    return await _respond(request, req, await _prepare(s, request, req, prepare), chat=False)
 
 
 @router.get("/v1/models", tags=["models"], response_model=ModelList)
@@ -275,13 +406,16 @@ async def models(request: Request, _: Auth):
 
 @router.get("/health", tags=["ops"])
 async def health(request: Request):
-    """200 while the worker is alive, answers a probe (its reader thread does, at once, even mid-prefill) and has not
-    been inside one prefill or step for STUCK_S seconds or more; else 503."""
+    """200 while the worker is alive, answers a probe (its reader thread does, at once, even mid-prefill), has not
+    been inside one prefill or step for STUCK_S seconds or more, and its engine is not failing every step
+    (`server.unhealthy_after_failed_steps` in a row); else 503 naming the state."""
     s = _state(request)
-    pong = await s.worker.ping(timeout=STUCK_S) if s.worker.alive else None
-    if pong is not None and s.worker.alive and pong.busy_s < STUCK_S:
-        return {"status": "ok", "worker": "alive", "worker_pid": s.worker.process.pid}
-    state = ("dead" if s.worker.dead else "not answering" if pong is None
+    w = s.worker
+    pong = await w.ping(timeout=STUCK_S) if w.alive else None
+    if pong is not None and w.alive and pong.busy_s < STUCK_S and not w.failing:
+        return {"status": "ok", "worker": "alive", "worker_pid": w.process.pid}
+    state = ("restarting" if w.restarting else "dead" if w.dead else "not answering" if pong is None
+             else f"failing: {w.failed_steps} steps in a row failed in the engine" if w.failing
              else f"stuck in one prefill or step for {pong.busy_s:.0f} s")
     return JSONResponse({"status": "unhealthy", "worker": state}, status_code=503)
 

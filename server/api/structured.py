@@ -3,8 +3,12 @@
 sends to the worker, compiled and validated here so that an unsupported schema is a 400 before any worker time.
 
 The field parsers raise :class:`FieldError` with a complete sentence; ``protocol.py`` turns it into a 400 naming the
-field. Grammars are checked against the model's tokenizer as the grammar engine sees it (``core.grammar``), built
-once per server by :class:`GrammarCompiler`.
+field. They run inside the request model's validators, on the event loop, so they check only what is cheap: the
+fields' shapes and each JSON schema's size and depth (:func:`check_schema_limits`: at most ``MAX_SCHEMA_DEPTH`` levels
+and ``MAX_SCHEMA_BYTES`` of JSON, work bounded by those caps whatever the body holds). A schema's validation against
+its metaschema (:func:`check_schema`) and the grammar compilation run later, in the routes' preparation pool, once the
+request has been admitted. Grammars are checked against the model's tokenizer as the grammar engine sees it
+(``core.grammar``), built once per server by :class:`GrammarCompiler`.
 """
 from __future__ import annotations
 
@@ -16,12 +20,18 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from json.encoder import encode_basestring as _encode_string
+
 from core.grammar import GrammarError, GrammarTokenizer
 from core.grammar import response_format_grammar as core_response_format_grammar
 
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function and json_schema names
 MAX_TOOLS = 128  # OpenAI's limit
 RESPONSE_TYPES = ("text", "json_object", "json_schema")
+# Caps on each JSON schema a request carries (`response_format`'s, each tool's `parameters`): nesting depth in JSON
+# objects and arrays (the schema itself is level 1) and the size of its compact JSON text in UTF-8 bytes.
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_BYTES = 64 * 1024
 
 
 class FieldError(ValueError):
@@ -74,9 +84,49 @@ def _type_name(v: Any) -> str:
     return "null" if v is None else type(v).__name__
 
 
+def _json_bytes(value: Any) -> int:
+    """The UTF-8 size of a scalar's JSON text."""
+    if isinstance(value, str):
+        return len(_encode_string(value).encode("utf-8", "surrogatepass"))
+    if value is None or isinstance(value, bool):
+        return {None: 4, True: 4, False: 5}[value]
+    if type(value) is int:
+        return len(str(value))
+    return len(repr(value))  # a float as json writes it (Infinity and NaN within a byte or two)
+
+
+def check_schema_limits(schema: Any, what: str) -> None:
+    """A JSON schema must be an object (or a boolean) nested at most MAX_SCHEMA_DEPTH levels deep (objects and arrays,
+    the schema itself level 1) whose compact JSON text has at most MAX_SCHEMA_BYTES bytes. The walk stops at the first
+    cap it passes, so its cost is bounded by the caps, not by the request body."""
+    if not isinstance(schema, (dict, bool)):
+        raise FieldError(f"{what} must be a JSON schema (an object); got {_type_name(schema)}.")
+    size, stack = 0, [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise FieldError(f"{what} is nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays); "
+                                 f"this server accepts JSON schemas of at most {MAX_SCHEMA_DEPTH} levels.")
+            size += 1 + max(len(value), 1)  # brackets, and the commas between items: checked before the items
+            if size <= MAX_SCHEMA_BYTES:
+                if isinstance(value, dict):
+                    for key, item in value.items():
+                        size += _json_bytes(key) + 1  # "key":
+                        stack.append((item, depth + 1))
+                else:
+                    stack.extend((item, depth + 1) for item in value)
+        else:
+            size += _json_bytes(value)
+        if size > MAX_SCHEMA_BYTES:
+            raise FieldError(f"{what} is larger than {MAX_SCHEMA_BYTES // 1024} KiB as JSON; this server accepts "
+                             f"JSON schemas of at most {MAX_SCHEMA_BYTES // 1024} KiB ({MAX_SCHEMA_BYTES} bytes) each.")
+
+
 def check_schema(schema: Any, what: str) -> None:
     """A JSON schema must be an object (or a boolean) valid against its metaschema (JSON Schema 2020-12 unless its
-    ``$schema`` names another draft)."""
+    ``$schema`` names another draft). Costly for a large schema: the routes run it in their preparation pool, after
+    admission, on a schema that passed :func:`check_schema_limits`."""
     import jsonschema
 
     if not isinstance(schema, (dict, bool)):
@@ -116,17 +166,20 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+RESPONSE_SCHEMA = "`response_format.json_schema.schema`"
+
+
 def parse_response_format(v: Any) -> ResponseFormat | None:
     if v is None:
         return None
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
         raise FieldError("`response_format` must be an object with a string `type`.")
-    check_text(v, "`response_format`")
     kind = v["type"]
     if kind not in RESPONSE_TYPES:
         raise FieldError(f"`response_format.type` must be one of {', '.join(map(repr, RESPONSE_TYPES))}; "
                          f"got {_short(repr(kind), 40)}.")
     if kind != "json_schema":
+        check_text(v, "`response_format`")
         return ResponseFormat(kind)
     spec = v.get("json_schema")
     if not isinstance(spec, dict):
@@ -140,7 +193,8 @@ def parse_response_format(v: Any) -> ResponseFormat | None:
             raise FieldError(f"`response_format.json_schema.{key}` has the wrong type "
                              f"({_type_name(spec.get(key))}).")
     schema = spec.get("schema", {})
-    check_schema(schema, "`response_format.json_schema.schema`")
+    check_schema_limits(schema, RESPONSE_SCHEMA)
+    check_text(v, "`response_format`")
     return ResponseFormat("json_schema", schema, name)
 
 
@@ -159,7 +213,7 @@ def _parse_function(fn: Any, where: str) -> ToolSpec:
         raise FieldError(f"`{where}.strict` must be a boolean.")
     params = fn.get("parameters")
     if params is not None:
-        check_schema(params, f"`{where}.parameters`")
+        check_schema_limits(params, f"`{where}.parameters`")
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise FieldError(f"`{where}.parameters` must be a JSON schema of type 'object' (the arguments "
                              "object).")
@@ -174,8 +228,8 @@ def _parse_list(v: Any, field: str, noun: str, parse_item) -> list[ToolSpec] | N
         raise FieldError(f"`{field}` must be a list of {noun}.")
     if len(v) > MAX_TOOLS:
         raise FieldError(f"`{field}` accepts at most {MAX_TOOLS} {noun}; it has {len(v)}.")
+    out = [parse_item(i, item) for i, item in enumerate(v)]  # each schema's caps before any walk over them all
     check_text(v, f"`{field}`")
-    out = [parse_item(i, item) for i, item in enumerate(v)]
     seen = set()
     for spec in out:
         if spec.name in seen:

@@ -25,18 +25,20 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, tmp: Path, drafter: str = "ngram", num_slots: int = 4, max_waiting: int = 4,
                  max_seq_len: int = 512, api_key: str | None = API_KEY, drain_timeout: float = 30.0,
-                 server_options: dict | None = None, dtype: str = "bfloat16", source: str = "embedded"):
+                 server_options: dict | None = None, dtype: str = "bfloat16", source: str = "embedded",
+                 env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cfg = {"model": {"source": source, "dtype": dtype, "device": "cpu"},
                "cache": {"num_slots": num_slots, "max_seq_len": max_seq_len},
                "drafter": {"name": drafter, "ngram": {"num_tokens": 4}},
-               "server": {"max_waiting": max_waiting, **(server_options or {})}}
+               # the tests run requests to a fixed length with `ignore_eos`, off by default
+               "server": {"max_waiting": max_waiting, "allow_ignore_eos": True, **(server_options or {})}}
         self.config = tmp / f"server-{self.port}.yaml"
         self.config.write_text(yaml.safe_dump(cfg))
         self.log = open(tmp / f"server-{self.port}.log", "w+")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("SPECSERVE_API_KEY", None)
         cmd = [sys.executable, "-m", "specserve", "serve", "--config", str(self.config), "--host", "127.0.0.1",
                "--port", str(self.port), "--drain-timeout", str(drain_timeout)]

@@ -8,7 +8,8 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from server.api.errors import APIError, BodySizeLimitMiddleware, api_key_dependency, install_error_handlers
+from server.api.auth import ApiKeys, require_key
+from server.api.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
 from server.api.protocol import ChatCompletionRequest
 
 KEY = "sk-test-key"
@@ -22,7 +23,7 @@ def make_app(max_bytes: int = LIMIT) -> FastAPI:
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_bytes)
-    auth = [Depends(api_key_dependency(KEY))]
+    auth = [Depends(require_key(ApiKeys.of([KEY])))]
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(req: ChatCompletionRequest):
@@ -118,8 +119,9 @@ def test_wrong_content_type_is_400(client):
     ({"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "invalid_value"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools", "invalid_value"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "x"}}},
      "response_format", "invalid_value"),
+    ({"stop": "}", "response_format": {"type": "json_object"}}, "stop", "invalid_value"),
     ({"stop": ["a"] * 5}, "stop", "invalid_value"),
     ({"model": None}, "model", None),
 ])
@@ -208,14 +210,14 @@ def test_no_key_configured_allows_everything():
     app = FastAPI()
     install_error_handlers(app)
 
-    @app.get("/open", dependencies=[Depends(api_key_dependency(None))])
+    @app.get("/open", dependencies=[Depends(require_key(None))])
     async def open_route():
         return {"ok": True}
 
     with TestClient(app) as c:
         assert c.get("/open").json() == {"ok": True}
     with pytest.raises(ValueError):
-        api_key_dependency("")
+        ApiKeys.of([""])
 
 
 def test_unknown_route_is_404(client):

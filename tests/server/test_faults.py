@@ -96,8 +96,10 @@ def test_disconnect_non_streaming_aborts(server):
     assert wait_balanced(server.url)
 
 
-def test_worker_death_fails_in_flight_and_exits_nonzero(make_server):
-    s = make_server()
+def test_worker_death_past_the_restart_budget_fails_in_flight_and_exits_nonzero(make_server):
+    """With no restart allowed (`server.worker_restarts: 0`) a dead worker ends the server, for its supervisor to
+    restart (restarts within the budget: tests/server/test_resilience.py)."""
+    s = make_server(server_options={"worker_restarts": 0})
     pid = s.worker_pid()
     events = []
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=LONG, headers=s.headers, timeout=60) as r:

@@ -38,10 +38,16 @@ message = st.fixed_dictionaries(
               "tool_call_id": st.one_of(st.text(max_size=6), json_values), "name": st.one_of(st.text(max_size=6),
                                                                                             json_values)})
 
-# response_format and tools: plausible shapes (small schemas, some the grammar engine cannot enforce) or any value.
+# response_format and tools: plausible shapes (small schemas, some the grammar engine cannot enforce, one past the
+# depth cap and one past the size cap) or any value.
+DEEP = {"type": "string"}
+for _ in range(40):
+    DEEP = {"type": "array", "items": DEEP}
+LARGE = {"type": "string", "description": "x" * 70_000}
 schemas = st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer", "maximum": 9}, {"enum": ["a", 1]},
                                      {"type": "array", "uniqueItems": True}, {"type": "strin"}, {"not": {}},
-                                     {"$ref": "#/nope"}, {"type": "string", "pattern": "(?=x)"}, True, False]),
+                                     {"$ref": "#/nope"}, {"type": "string", "pattern": "(?=x)"}, True, False, DEEP,
+                                     LARGE]),
                     json_values)
 response_format = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},

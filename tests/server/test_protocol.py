@@ -270,8 +270,8 @@ def test_sampling_from_values():
     ({"logit_bias": {"2147483648": 1}}, "logit_bias"),
     ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
-     "response_format"),
+    # (a schema invalid against its metaschema is refused by the routes, off the event loop: test_admission.py)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
     ({"tools": [{"type": "code_interpreter"}]}, "tools"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
