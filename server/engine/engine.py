@@ -1,4 +1,4 @@
-"""The batched step: KV slots, and the draft -> verify -> accept -> compact loop over a ``StepPlan``.
+"""The batched step: the draft -> verify -> accept -> compact loop over a ``StepPlan``.
 
 The loaded target is ``server.engine.target``, a sequence's state ``server.engine.sequence``, the plan and result types
 ``server.engine.step``. One step of one sequence (see ``Engine.run``):
@@ -8,6 +8,7 @@ The loaded target is ``server.engine.target``, a sequence's state ``server.engin
   commit(seq, path)                      # compact the accepted rows' KV to [cache_len, cache_len + len(path))
   drafter.observe(seq, result)
 Sequences are independent: one step runs any number of them (and prompt chunks of others) in one target forward.
+KV slots and prefix admission: ``slots.py``; attention metadata: ``rows.py``; log probabilities: ``logprobs.py``.
 """
 from __future__ import annotations
 
@@ -27,18 +28,17 @@ from kernels.kv_compact import kv_compact_batched
 from kernels.tree_attention import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
-from server.engine.backend import (compact_kv, make_attention, make_batched_kernel_attention,
-                                   make_decode_group_attention, make_row_kernel_attention)
+from server.engine.backend import compact_kv
 from server.engine.constrained import constrain_tree
-from server.engine.faults import FaultPlan, fault_of
-from server.engine.kv_cache import KVCachePool, NoFreeSlotError, auto_num_slots, bytes_per_slot
-from server.engine.model import CpuRows, RowGroup, Segment
+from server.engine.faults import FaultPlan, isolate
+from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
+from server.engine.logprobs import prompt_logprobs, token_logprobs
 from server.engine.prefix_cache import Hit, PrefixCache
+from server.engine.rows import RowLayout
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
+from server.engine.slots import Slots
 from server.engine.step import SeqStep, StepPlan, StepResult
 from server.engine.target import Target, load_target
-
-PROMPT_LOGPROB_ROWS = 256  # prompt rows per LM-head call when a request wants prompt logprobs
 
 
 class Engine:
@@ -69,9 +69,10 @@ class Engine:
         self.pool = KVCachePool(a.num_layers, slots, a.num_kv_heads, cfg.cache.max_seq_len,
                                 a.head_dim, width, self.dtype, self.device, kv_dtype)
         self.max_seq_len = cfg.cache.max_seq_len
+        self.layout = RowLayout(self.pool, self.device, self.dtype, self.max_seq_len, self.row_kernel)
         self._ids = itertools.count()
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
-        self._running: dict[int, Sequence] = {}  # slot -> the sequence running in it
+        self.slots = Slots(self.pool, self.prefix)
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self.faults: FaultPlan | None = None  # a test hook (server.engine.faults): None in production
 
@@ -119,91 +120,42 @@ class Engine:
         ns = "" if namespace is None else namespace
         # prompt logprobs need every prompt row's logits: nothing cached is reused
         hit = Hit(None, 0) if sampling.prompt_logprobs is not None else self.prefix_hit(prompt_ids, namespace)
-        slot = self._take_slot(hit)
+        slot = self.slots.take(hit, ns, prompt_ids)
         try:
-            if hit.length and slot != hit.slot:
-                self._copy_rows(hit.slot, slot, hit.length)
-            self.prefix.count(len(prompt_ids), hit.length)
-            self.prefix.hold(ns, prompt_ids, slot)
             gen = request_generator(sampling, self.device)
             if self.faults:
                 self.faults.check("admit", [prompt_ids])
-        except BaseException:  # nothing runs in the slot: free it (its rows may be half copied)
-            self.prefix.drop(slot)
-            self.pool.free(slot)
+        except BaseException:  # nothing runs in the slot: free it
+            self.slots.free(slot)
             raise
         seq = Sequence(seq_id=next(self._ids) if seq_id is None else seq_id, slot=slot,
                        prompt_len=len(prompt_ids), token_ids=list(prompt_ids), sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids or ()),
                        generator=gen, cache_len=hit.length, cached_tokens=hit.length, namespace=ns, shaper=shaper,
                        prompt_logprobs=None if sampling.prompt_logprobs is None else [None])
-        self._running[slot] = seq
+        self.slots.running[slot] = seq
         return seq
 
     def prefix_hit(self, prompt_ids: list[int], namespace: str | None = None) -> Hit:
-        """The longest prefix of the prompt (at most all but its last token) whose KV rows a slot holds now, and
-        what a running sequence's prefill will hold once its prompt is cached (``Hit.pending``). ``namespace`` None
-        is the default partition, and with ``cache.prefix_caching`` off finds nothing."""
-        if namespace is None and not self.prefix.enabled:
-            return Hit(None, 0)
-        return self.prefix.lookup(namespace or "", prompt_ids, self._usable)
-
-    def _usable(self, slot: int) -> int:
-        seq = self._running.get(slot)
-        return self.prefix.index.length(slot) if seq is None else min(seq.cache_len, seq.prompt_len)
-
-    def _take_slot(self, hit: Hit) -> int:
-        """A slot for a new sequence: the hit's idle slot itself when the sequence keeps all of its rows, else a free
-        slot (the rows are copied), else the idle source (its rows past the match are lost, not another prefix), else
-        the least recently used idle slot."""
-        src = hit.slot if hit.length else None
-        idle_src = src is not None and src in self.prefix.idle
-        if idle_src and (hit.length == self.prefix.index.length(src) or not self.pool.free_slots):
-            self.prefix.drop(src)
-            return src
-        if src is not None:
-            self.prefix.touch(src)
-        if self.pool.free_slots:
-            return self.pool.allocate()
-        slot = self.prefix.evict()
-        if slot is None:
-            raise NoFreeSlotError(f"all {self.pool.num_slots} KV-cache slots are in use")
-        return slot
-
-    def _copy_rows(self, src: int, dst: int, n: int) -> None:
-        """The first ``n`` cached rows of slot ``src`` (K/V of every layer, hidden states) into slot ``dst``."""
-        p = self.pool
-        p.k[:, dst, :, :n].copy_(p.k[:, src, :, :n])
-        p.v[:, dst, :, :n].copy_(p.v[:, src, :, :n])
-        p.hidden[dst, :n].copy_(p.hidden[src, :n])
+        """The longest prefix of the prompt whose KV rows a slot holds now (``Slots.hit``)."""
+        return self.slots.hit(prompt_ids, namespace)
 
     def release(self, seq: Sequence, cache: bool = True) -> None:
-        """The sequence is done (finished or aborted): free the drafter's state, and leave its committed rows in the
-        prefix cache (prompt and generated tokens that have KV: never rejected draft rows or tokens past a stop), or
-        free its slot (``cache`` False, caching off, or nothing committed)."""
+        """The sequence is done (finished or aborted): free the drafter's state and its slot (``Slots.release``)."""
         self.drafter.release(seq.seq_id)
-        if self._running.get(seq.slot) is not seq:
-            return  # released before
-        del self._running[seq.slot]
-        committed = min(seq.cache_len, len(seq.token_ids))
-        if not (cache and self.prefix.park(seq.namespace, seq.token_ids[:committed], seq.slot)):
-            self.prefix.drop(seq.slot)
-            self.pool.free(seq.slot)
+        self.slots.release(seq, cache)
 
     @property
     def slots_running(self) -> int:
         """Slots held by running sequences (idle prefix-cache slots are free to take)."""
-        return len(self._running)
+        return len(self.slots.running)
 
     @property
     def slots_available(self) -> int:
-        return self.pool.num_slots - len(self._running)
+        return self.pool.num_slots - len(self.slots.running)
 
-    def kv_usage(self) -> tuple[float, float]:
-        """(running sequences', idle cached slots') share of the pool's token capacity."""
-        cap = self.pool.num_slots * self.pool.max_seq_len
-        cached = sum(self.prefix.index.length(s) for s in self.prefix.idle)
-        return sum(s.cache_len for s in self._running.values()) / cap, cached / cap
+    def kv_usage(self) -> tuple[float, float]:  # (running sequences', idle cached slots') share of the KV capacity
+        return self.slots.usage()
 
     def view(self, seq: Sequence) -> SeqView:
         return SeqView(seq, self.pool, self.target)
@@ -242,78 +194,13 @@ class Engine:
         positions = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.exact_cpu:  # every row of the step: one C++ call per layer for RoPE, K/V writes and attention
-            return self.model(ids, positions, [], None, self._cpu_rows(parts), taps)
-        if self.device.type == "cuda" and len(parts) > 1:  # every row of the step: one kernel launch per layer
-            segments, group = [], self._kernel_group(parts)
-        elif self.row_kernel:  # a prompt's first chunk: causal SDPA; every other row: the C++ attention
-            segments, rest, start = [], [], 0
-            for part in parts:
-                seq, tokens, _, tree_mask = part
-                n = len(tokens)
-                if seq.cache_len == 0 and tree_mask is None and n > 1:
-                    segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot], 0,
-                                            None, make_attention(self.device, 0, n, None, self.dtype)))
-                else:
-                    rest.append((start, part))
-                start += n
-            group = self._row_kernel_group(rest, start) if rest else None
-        else:  # CPU: decode steps of several sequences attend in one call (per-sequence calls cost a few dozen
-            # small ops per layer each); trees and prompt chunks attend per sequence
-            batch_decodes = sum(len(p[1]) == 1 for p in parts) > 1
-            segments, decodes, start = [], [], 0
-            for seq, tokens, _, tree_mask in parts:
-                n = len(tokens)
-                if batch_decodes and n == 1:
-                    decodes.append((start, seq))
-                else:
-                    attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
-                    segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
-                                            seq.cache_len, tree_mask, attn))
-                start += n
-            group = None
-            if decodes:
-                slots, lens = [s.slot for _, s in decodes], [s.cache_len for _, s in decodes]
-                group = RowGroup(torch.tensor([r for r, _ in decodes], device=self.device),
-                                 torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
-                                 self.pool.k, self.pool.v,
-                                 make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
+            return self.model(ids, positions, [], None, self.layout.cpu_rows(parts), taps)
+        segments, group = self.layout.attention(parts)
         return self.model(ids, positions, segments, group, taps=taps)  # [T, hidden]
-
-    def _cpu_rows(self, parts) -> CpuRows:
-        """Every row of the quantized CPU target's forward (``_row_specs``)."""
-        return CpuRows(self.pool.k, self.pool.v, *_row_specs(parts))
-
-    def _row_kernel_group(self, parts: list[tuple[int, tuple]], num_rows: int) -> RowGroup:
-        """The rows of ``parts`` ([(first row in the forward, part)]) for the C++ attention (``_row_specs``); all of
-        the forward's ``num_rows`` rows as a slice where no other row shares the forward."""
-        slot, pos, cached, base, bits = _row_specs([part for _, part in parts])
-        if len(slot) == num_rows:
-            rows = slice(0, num_rows)
-        else:
-            rows = torch.tensor([r for start, part in parts for r in range(start, start + len(part[1]))])
-        return RowGroup(rows, slot, pos, self.pool.k, self.pool.v, make_row_kernel_attention(slot, cached, base, bits))
-
-    def _kernel_group(self, parts) -> RowGroup:
-        """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the
-        per-sequence layout (slot, cache length, row offsets, causal flag, tree bits) built once for all layers."""
-        slots, lens, starts, causal, masks, row_slots, row_pos = [], [], [0], [], [], [], []
-        for seq, tokens, _, tree_mask in parts:
-            n = len(tokens)
-            slots.append(seq.slot)
-            lens.append(seq.cache_len)
-            starts.append(starts[-1] + n)
-            causal.append(tree_mask is None and n > 1)
-            masks.append(tree_mask if tree_mask is not None else torch.ones(n, dtype=torch.long, device=self.device))
-            row_slots += [seq.slot] * n
-            row_pos += range(seq.cache_len, seq.cache_len + n)
-        t = self._long
-        return RowGroup(torch.arange(starts[-1], device=self.device), t(row_slots), t(row_pos), self.pool.k,
-                        self.pool.v, make_batched_kernel_attention(t(slots), t(lens), t(starts), torch.cat(masks),
-                                                                  t(causal).bool()))
 
     def prefill(self, seq: Sequence) -> list[int]:
         """Cache the whole prompt's KV and sample the first token; returns the tokens emitted."""
-        return self.run(StepPlan(prefill=[(seq, seq.prompt_len)])).emitted[seq.seq_id]
+        return self._one(seq, StepPlan(prefill=[(seq, seq.prompt_len)]))
 
     @torch.inference_mode()
     def verify(self, seq: Sequence, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +235,14 @@ class Engine:
     @torch.inference_mode()
     def step(self, seq: Sequence) -> list[int]:
         """Draft, verify, accept, compact; returns the tokens emitted (at least one unless already finished)."""
-        return self.run(StepPlan([seq])).emitted[seq.seq_id]
+        return self._one(seq, StepPlan([seq]))
+
+    def _one(self, seq: Sequence, plan: StepPlan) -> list[int]:
+        """A plan of one sequence: its tokens, or the fault that ended it raised here (offline callers see it)."""
+        result = self.run(plan)
+        if seq.seq_id in result.failed:
+            raise result.failed[seq.seq_id]
+        return result.emitted[seq.seq_id]
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -362,23 +256,12 @@ class Engine:
         """
         out: dict[int, list[int]] = {}
         failed: dict[int, BaseException] = {}  # a sequence whose own part of the step raised: out of the step
-
-        def isolated(seq: Sequence, fn, *args):
-            """fn(*args), or None when it raised for this sequence alone (recorded in `failed`)."""
-            try:
-                return fn(*args)
-            except BaseException as e:
-                if not fault_of(e):
-                    raise
-                failed[seq.seq_id] = e
-                return None
-
         trees = []  # (seq, tree, drafted, propose seconds)
         for seq in plan.decode:
             if seq.finish_reason is not None:
                 out[seq.seq_id] = []
                 continue
-            item = isolated(seq, self._plan_tree, seq, plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
+            item = isolate(failed, seq.seq_id, self._plan_tree, seq, plan.max_rows.get(seq.seq_id, MAX_TREE_ROWS))
             if item is not None:
                 trees.append(item)
         chunks = []  # (seq, first prompt row, rows)
@@ -408,7 +291,7 @@ class Engine:
         logit_rows = list(range(tree_rows)) + [row for _, row in completing]
         logits = self.logits(hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows])
         seconds = time.perf_counter() - t0
-        accepted = [isolated(seq, self._accept, seq, tree, logits[a:b])
+        accepted = [isolate(failed, seq.seq_id, self._accept, seq, tree, logits[a:b])
                     for (seq, tree, _, _), (a, b) in zip(trees, tree_spans)]
         self._compact_many([(seq, acc[0]) for (seq, _, _, _), acc in zip(trees, accepted) if acc is not None])
         steps = {}
@@ -416,16 +299,17 @@ class Engine:
             if acc is None:
                 continue
             rows, tokens, lps = acc
-            done = isolated(seq, self._finish_step, seq, tree, rows, tokens, lps, hidden[a:b], seconds, drafted)
+            done = isolate(failed, seq.seq_id, self._finish_step, seq, tree, rows, tokens, lps, hidden[a:b], seconds,
+                           drafted)
             if done is not None:
                 out[seq.seq_id] = done[0]
                 steps[seq.seq_id] = SeqStep(tree.num_draft, done[1], draft_s)
         for (seq, start, n), (a, b) in zip(chunks, chunk_spans):
-            if isolated(seq, self._prefilled, seq, start, hidden[a:b]) is not None:
+            if isolate(failed, seq.seq_id, self._prefilled, seq, start, hidden[a:b]) is not None:
                 out[seq.seq_id] = []
         for row, (seq, _) in enumerate(completing, start=tree_rows):  # the prompt is cached: its first token
             if seq.seq_id not in failed:
-                first = isolated(seq, self._first_token, seq, logits[row:row + 1])
+                first = isolate(failed, seq.seq_id, self._first_token, seq, logits[row:row + 1])
                 if first is not None:
                     out[seq.seq_id] = first
         return StepResult(out, steps, seconds, failed)
@@ -451,7 +335,7 @@ class Engine:
     def _prefilled(self, seq: Sequence, start: int, hidden: torch.Tensor) -> bool:
         """A prompt chunk [start, start + n) was computed: its prompt logprobs (when asked for), its rows cached."""
         if seq.prompt_logprobs is not None:
-            self._prompt_logprobs(seq, start, hidden)
+            prompt_logprobs(self.logits, seq, start, hidden)
         self._advance(seq, hidden)
         return True
 
@@ -473,31 +357,7 @@ class Engine:
                 path, tokens = accept_sampling(tree, rows, seq.generator)
         if sp.logprobs is None:
             return path, tokens, None
-        return path, tokens, self._token_logprobs(seq, logits, rows, path, tokens)
-
-    def _token_logprobs(self, seq: Sequence, logits: torch.Tensor, rows, path: list[int], tokens: list[int]
-                        ) -> list[tuple[float, list[tuple[int, float]]]]:
-        """Each emitted token's logprob, read from the row it was chosen at (``path[j]`` for ``tokens[j]``: a drafted
-        token's parent, the bonus token's last accepted row), never from a drafter's q: the model's log-softmax
-        (``server.logprobs_mode: raw``), or of what the token was chosen from after the request's shaping
-        (``processed``: shaped logits for greedy requests, the sampling distribution for sampled ones)."""
-        if self.cfg.server.logprobs_mode == "raw" or (rows is logits and seq.sampling.greedy):
-            lp = torch.log_softmax(logits[path].float(), -1)
-        elif seq.sampling.greedy:  # shaped rows
-            lp = torch.log_softmax(torch.stack([rows[r] for r in path]), -1)
-        else:
-            lp = torch.log(torch.stack([rows[r] for r in path]))
-        return logprob_entries(lp, tokens, seq.sampling.logprobs)
-
-    def _prompt_logprobs(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        """Prompt rows [start, start + n) were computed: the logprob of each next prompt token under the model
-        (raw: prompt tokens are given, not drawn), in slices of PROMPT_LOGPROB_ROWS rows through the LM head."""
-        ids = seq.token_ids
-        n = min(hidden.shape[0], seq.prompt_len - 1 - start)  # the last prompt row predicts a generated token
-        for i in range(0, n, PROMPT_LOGPROB_ROWS):
-            j = min(n, i + PROMPT_LOGPROB_ROWS)
-            lp = torch.log_softmax(self.logits(hidden[i:j]).float(), -1)
-            seq.prompt_logprobs += logprob_entries(lp, ids[start + i + 1:start + j + 1], seq.sampling.prompt_logprobs)
+        return path, tokens, token_logprobs(self.cfg.server.logprobs_mode, seq, logits, rows, path, tokens)
 
     def _propose(self, seq: Sequence) -> DraftTree:
         t0 = time.perf_counter()
@@ -534,7 +394,7 @@ class Engine:
         logprobs), the stats, and the drafter's observe -> (tokens emitted, draft tokens accepted)."""
         self._advance(seq, hidden[rows])
         result = VerifyResult(rows, tokens, tree.num_draft)
-        emitted = self._append(seq, tokens, logprobs)
+        emitted = seq.append(tokens, logprobs, self.max_seq_len)
         s = seq.stats
         s.verify_steps += 1
         s.draft_tokens += tree.num_draft
@@ -564,34 +424,12 @@ class Engine:
                 tok = race(rows[0], token_clocks(sp.seed, len(seq.token_ids), logits.shape[-1]))[0]
             else:
                 tok = int(torch.multinomial(rows[0], 1, generator=seq.generator).item())
-        lps = None if sp.logprobs is None else self._token_logprobs(seq, logits, rows, [0], [tok])
-        emitted = self._append(seq, [tok], lps)
+        mode = self.cfg.server.logprobs_mode
+        lps = None if sp.logprobs is None else token_logprobs(mode, seq, logits, rows, [0], [tok])
+        emitted = seq.append([tok], lps, self.max_seq_len)
         if seq.finish_reason is None:
             self.drafter.prefill(self.view(seq))
         return emitted
-
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> list[int]:
-        """Append emitted tokens (and their logprobs), stopping at a stop token, where the grammar is complete,
-        at max_new_tokens or at the end of the context; the grammar's matcher commits them and the shaper counts
-        them."""
-        out = []
-        matcher = seq.matcher
-        for t in tokens:
-            seq.token_ids.append(t)
-            out.append(t)
-            if matcher is not None:
-                matcher.consume([t])
-            if t in seq.stop_token_ids or (matcher is not None and matcher.stopped):
-                seq.finish_reason = "stop"
-            elif seq.num_generated >= seq.max_new_tokens or len(seq.token_ids) >= self.max_seq_len:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                break
-        if logprobs is not None:
-            seq.logprobs += logprobs[:len(out)]
-        if seq.shaper is not None:
-            seq.shaper.append(out)
-        return out
 
     # -- offline ---------------------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_new_tokens: int = 16,
@@ -608,36 +446,3 @@ class Engine:
             self.release(seq)
         return GenerationOutput(seq.output_ids, seq.finish_reason, seq.stats, prefill_s=t1 - t0, decode_s=t2 - t1,
                                 logprobs=seq.logprobs, prompt_logprobs=seq.prompt_logprobs)
-
-
-def logprob_entries(lp: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """[k, V] log probabilities and the k tokens chosen -> per token (its logprob, the ``top`` most likely tokens
-    at that position with theirs, most likely first)."""
-    idx = torch.tensor(tokens, device=lp.device)
-    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
-    if not top:
-        return [(c, []) for c in chosen]
-    vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
-
-
-def _row_specs(parts) -> tuple[torch.Tensor, ...]:
-    """Where the rows of ``parts`` ([(seq, tokens, positions, tree_mask)]) go and what they read, for the C++
-    attention (``kernels.cpu.attend``): slot, pos, cached, base, bits, int64 [rows] each on the CPU. Causal rows
-    (prompt chunks, decode steps) read their slot up to themselves in place, tree rows the cached prefix and then
-    their ancestors."""
-    slot, pos, cached, base, bits = [], [], [], [], []
-    for seq, toks, _, tree_mask in parts:
-        n, c = len(toks), seq.cache_len
-        slot += [seq.slot] * n
-        pos += range(c, c + n)
-        if tree_mask is None:
-            cached += range(c + 1, c + n + 1)
-            base += [0] * n
-            bits += [0] * n
-        else:
-            cached += [c] * n
-            base += [c] * n
-            bits += tree_mask.tolist()
-    t = torch.tensor
-    return t(slot), t(pos), t(cached), t(base), t(bits)

@@ -82,3 +82,15 @@ def fault_of(e: BaseException) -> bool:
     """Whether ``e`` is a fault to isolate (fail the request or step it came from and go on): any exception short of
     the process being told to stop (KeyboardInterrupt, SystemExit) or a generator closing."""
     return not isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def isolate(failed: dict, key, fn, *args):
+    """``fn(*args)``, or None when it raised a fault (``fault_of``), which is recorded as ``failed[key]``: the work
+    of one request fails that request alone."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        if not fault_of(e):
+            raise
+        failed[key] = e
+        return None

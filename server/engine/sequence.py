@@ -76,6 +76,29 @@ class Sequence:
         """Whether the whole prompt is cached (the sequence decodes; before that it takes prompt chunks)."""
         return self.cache_len >= self.prompt_len
 
+    def append(self, tokens: list[int], logprobs: list | None, max_seq_len: int) -> list[int]:
+        """Append emitted tokens (and their logprobs), stopping at a stop token, where the grammar is complete,
+        at max_new_tokens or at the end of the context (``max_seq_len``); the grammar's matcher commits them and the
+        shaper counts them. Returns the tokens appended."""
+        out = []
+        matcher = self.matcher
+        for t in tokens:
+            self.token_ids.append(t)
+            out.append(t)
+            if matcher is not None:
+                matcher.consume([t])
+            if t in self.stop_token_ids or (matcher is not None and matcher.stopped):
+                self.finish_reason = "stop"
+            elif self.num_generated >= self.max_new_tokens or len(self.token_ids) >= max_seq_len:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        if logprobs is not None:
+            self.logprobs += logprobs[:len(out)]
+        if self.shaper is not None:
+            self.shaper.append(out)
+        return out
+
 
 class SeqView:
     """Read-only view of a sequence for drafters (implements drafters.base.SequenceView)."""

@@ -144,7 +144,8 @@ class Scheduler:
             self.failed_steps += 1
             log.exception("a step of %d requests failed in the engine (%d in a row)", len(batch), self.failed_steps)
             for rid, seq in batch.items():
-                self._fail(rid, seq, fault_message("in a step with this request (not in any one request's part of it)", e))
+                self._fail(rid, seq, fault_message(
+                    "in a step with this request (not in any one request's part of it)", e))
             return
         finally:
             self._busy_since = None

@@ -49,7 +49,7 @@ def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny_engine):
             alone = torch.cat([engine.forward_rows([p]) for p in parts])
             batched = engine.forward_rows(parts)  # CPU path: the decode row on its own, others per sequence
             ids = torch.tensor([t for p in parts for t in p[1]])
-            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine._kernel_group(parts))
+            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine.layout.kernel_group(parts))
     finally:
         for seq in seqs:
             engine.release(seq)

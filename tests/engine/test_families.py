@@ -198,7 +198,7 @@ def test_the_batched_kernel_layout_equals_each_sequence_alone(tiny):
         with torch.inference_mode():
             alone = torch.cat([engine.forward_rows([p]) for p in parts])
             ids = torch.tensor([t for p in parts for t in p[1]])
-            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine._kernel_group(parts))
+            kernel = engine.model(ids, torch.cat([p[2] for p in parts]), [], engine.layout.kernel_group(parts))
     finally:
         engine.release(a)
         engine.release(b)

@@ -224,7 +224,8 @@ def test_rows_past_a_stop_are_not_cached(fp32_config, target32, tokenizer, stops
     follow = seq.token_ids + tokenizer.encode(" and more")
     off = Engine(_cache_off(fp32_config), target=target32)
     hit = Engine(fp32_config, target=target32)
-    hit.prefix, hit.pool = engine.prefix, engine.pool  # the cache the oracle run left
+    # the cache the oracle run left: its pool, prefix index and slots
+    hit.prefix, hit.pool, hit.slots, hit.layout = engine.prefix, engine.pool, engine.slots, engine.layout
     out = hit.generate(follow, None, 16, stops)
     assert hit.prefix.hits >= len(seq.token_ids)
     assert out.token_ids == off.generate(follow, None, 16, stops).token_ids

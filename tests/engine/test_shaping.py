@@ -17,6 +17,7 @@ import torch
 
 import server.engine.acceptance as acceptance_module
 import server.engine.engine as engine_module
+import server.engine.logprobs as logprobs_module
 from core.sampling import SamplingParams
 from drafters.base import create_drafter, drafter_names
 from server.engine import Engine
@@ -174,7 +175,7 @@ def test_prompt_logprobs_in_chunks_are_the_whole_prompts(int4, texts, monkeypatc
     engine.prefill(whole)
     engine.release(whole)
     assert whole.finish_reason == "length" and whole.output_ids == []
-    monkeypatch.setattr(engine_module, "PROMPT_LOGPROB_ROWS", 5)
+    monkeypatch.setattr(logprobs_module, "PROMPT_LOGPROB_ROWS", 5)
     chunked = engine.add(prompt, sp, 0)
     while not chunked.prefilled:
         engine.run(StepPlan(prefill=[(chunked, 7)]))

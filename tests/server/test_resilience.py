@@ -3,7 +3,8 @@ requests at 64 concurrent with 5% hostile ones (bad schemas, bad messages, disco
 `n`, planted engine panics) in which every well-formed request completes, exact; one request's fault fails it alone
 and the others are exact; an engine that fails every step turns /health 503 within 2 s and the server
 restarts its worker, healthy again within 30 s; a worker killed mid-run is restarted, its running requests fail with
-a clear error and the queued ones complete, exact; past the restart budget the server exits (tests/server/test_faults.py).
+a clear error and the queued ones complete, exact; past the restart budget the server exits
+(tests/server/test_faults.py).
 """
 from __future__ import annotations
 
