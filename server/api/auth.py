@@ -28,6 +28,7 @@ class ApiKeys:
         """The keys given, plus a key file's; None when there are none (authentication off)."""
         pairs = [(k, None) for k in keys or ()]
         if file is not None:
+            given = len(pairs)
             for n, line in enumerate(Path(file).read_text(encoding="utf-8").splitlines(), 1):
                 line = line.strip()
                 if not line or line.startswith("#"):
@@ -36,13 +37,18 @@ class ApiKeys:
                 if len(fields) > 2:
                     raise ValueError(f"{file}:{n}: a line holds a key and at most a tenant name, separated by spaces")
                 pairs.append((fields[0], fields[1] if len(fields) == 2 else None))
+            if len(pairs) == given:
+                raise ValueError(f"{file} holds no key (a server given a key file would otherwise run without keys)")
         partitions = {}
         for key, tenant in pairs:
             if not key:
                 raise ValueError("an API key must not be empty")
-            if not key.isascii() or not key.isprintable():
-                raise ValueError("an API key must be printable ASCII (it travels in an HTTP header)")
-            partitions[key] = partition_of(key) if tenant is None else f"tenant\0{tenant}"
+            if not key.isascii() or not key.isprintable() or key != key.strip():
+                raise ValueError("an API key must be printable ASCII without spaces around it (it travels in an HTTP "
+                                 "header)")
+            partition = partition_of(key) if tenant is None else f"tenant\0{tenant}"
+            if partitions.setdefault(key, partition) != partition:
+                raise ValueError("a key is listed twice with different tenants")
         return cls(partitions) if partitions else None
 
     def check(self, request: Request) -> str:

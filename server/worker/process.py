@@ -14,6 +14,7 @@ stay responsive:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import functools
 import logging
@@ -151,7 +152,11 @@ class _Link:
             if time.monotonic() > deadline:
                 self.process.kill()
                 raise WorkerDied("worker did not become ready in time")
-        msg = m.decode_from_worker(self.conn.recv_bytes())
+        try:
+            msg = m.decode_from_worker(self.conn.recv_bytes())
+        except Exception as e:  # it exited between the poll and the read, or sent something malformed
+            self.process.kill()
+            raise WorkerDied(f"no Ready message from the worker: {type(e).__name__}: {e}") from None
         if not isinstance(msg, m.Ready):
             self.process.kill()
             raise WorkerDied(f"unexpected first message from the worker: {msg!r}")
@@ -282,14 +287,16 @@ class WorkerClient:
         log.error("the worker process died (exit code %s)%s", link.process.exitcode,
                   "; restarting it" if can_restart else
                   f"; {len(recent)} restarts in the last {RESTART_WINDOW_S:.0f} s: not restarting it")
-        keep = {rid for rid in self._unstarted if rid not in self._resent and rid in self._queues} \
-            if can_restart else set()
+        for rid in [rid for rid in self._unstarted if rid not in self._queues]:  # nobody waits for it any more
+            del self._unstarted[rid]
+        keep = {rid for rid in self._unstarted if rid not in self._resent} if can_restart else set()
         for rid, q in list(self._queues.items()):
             if rid not in keep:
                 q.put_nowait(m.Failed(rid, "the model worker process died while this request was in it"
                                       + ("; it is being restarted" if can_restart else ""), kind="server_error"))
                 self._queues.pop(rid, None)
                 self._unstarted.pop(rid, None)
+                self._resent.discard(rid)
         if not can_restart:
             self.crashed = True
             if self.on_death:
@@ -297,24 +304,37 @@ class WorkerClient:
             return
         self.restarting = True
         self.restarts = recent + [now]
-        threading.Thread(target=self._restart, name="specserve-worker-restart", daemon=True).start()
+        threading.Thread(target=self._restart, args=(link,), name="specserve-worker-restart", daemon=True).start()
 
-    def _restart(self) -> None:
-        """A new worker (its own thread: loading the model takes seconds to minutes); the loop takes it over."""
-        link = _Link(self.cfg)
+    def _restart(self, old: _Link) -> None:
+        """A new worker (its own thread: loading the model takes seconds to minutes); the loop takes it over. The
+        old process is gone first (its memory freed), and the new one gets as many KV slots as the first had."""
+        old.process.kill()
+        old.process.join(30)
+        cache = dataclasses.replace(self.cfg.cache, num_slots=self.ready.num_slots)
+        link = _Link(dataclasses.replace(self.cfg, cache=cache))
         try:
             ready = link.start(timeout=600.0)
         except Exception as e:
             log.exception("the worker could not be restarted")
-            self._loop.call_soon_threadsafe(self._restart_failed, e)
+            self._call(self._restart_failed, e)
             return
-        self._loop.call_soon_threadsafe(self._restarted, link, ready)
+        if self._closing or not self._call(self._restarted, link, ready):
+            link.process.kill()  # the server is shutting down: nobody will take this worker over
+
+    def _call(self, fn, *args) -> bool:
+        """Run ``fn(*args)`` on the serving loop (from another thread); False once the loop is closed."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:
+            return False
 
     def _restarted(self, link: _Link, ready: m.Ready) -> None:
         self._link, self.ready = link, ready
         self.dead, self.restarting, self.failed_steps = False, False, 0
         if self._closing:
-            self.shutdown()
+            link.process.kill()
             return
         self._read(link)
         log.info("worker restarted (pid %d); sending it the %d requests that had not started", link.process.pid,
@@ -333,6 +353,7 @@ class WorkerClient:
                                   kind="server_error"))
         self._queues.clear()
         self._unstarted.clear()
+        self._resent.clear()
         if self.on_death:
             self.on_death()
 
@@ -359,8 +380,9 @@ class WorkerClient:
         """Tell the worker to drop the request. Nothing more is routed to its queue, unless `final`: then the queue
         gets the worker's last word on it, `Aborted` with the stats so far or the finishing `Tokens`."""
         held = request_id in self._queues if final else self._queues.pop(request_id, None) is not None
+        self._unstarted.pop(request_id, None)  # never sent again to a restarted worker
+        self._resent.discard(request_id)
         if self.dead:  # restarting: the new worker never hears of it
-            self._unstarted.pop(request_id, None)
             q = self._queues.pop(request_id, None)
             if q is not None and final:
                 q.put_nowait(m.Aborted(request_id, None))

@@ -38,9 +38,17 @@ def test_key_file_and_key_errors(tmp_path):
     bad.write_text("k1 tenant extra\n")
     with pytest.raises(ValueError, match="bad:1"):
         ApiKeys.of(None, bad)
-    for key in ("", "k\x00", "k\u00e9"):
+    for key in ("", "k\x00", "k\u00e9", " k"):
         with pytest.raises(ValueError):
             ApiKeys.of([key])
+    empty = tmp_path / "empty"
+    empty.write_text("# no key yet\n\n")
+    with pytest.raises(ValueError, match="holds no key"):  # not a server without keys
+        ApiKeys.of(["k"], empty)
+    twice = tmp_path / "twice"
+    twice.write_text("k a\nk b\n")
+    with pytest.raises(ValueError, match="twice"):
+        ApiKeys.of(None, twice)
 
 
 def test_serve_takes_repeated_keys_and_a_key_file(tmp_path, monkeypatch):
