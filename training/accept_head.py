@@ -30,8 +30,9 @@ from tqdm import tqdm
 from core.sampling import SamplingParams, target_probs
 from drafters.adaptive import AcceptHead, AcceptHeadConfig, checkpoint_digest, default_checkpoint
 from drafters.checkpoint import CHECKPOINT_DIR
-from training.common import answers_digest, work_dir
+from training.common import answers_digest
 from training.data import ensure_data
+from training.paths import work_dir
 from training.teacher import TeacherData, teacher_pass
 
 

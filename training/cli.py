@@ -130,7 +130,7 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from server.engine import load_target
-    from training.common import synth_dir
+    from training.paths import synth_dir
     from training.synth import SynthSettings, synthesize_prompts
 
     settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
@@ -160,7 +160,7 @@ def cmd_train_data(a: argparse.Namespace) -> int:
 
     from server.engine import load_target
     from server.tokenization import read_prompts
-    from training.common import SET_NAME, answer_set_path, answers_path, synth_dir
+    from training.paths import SET_NAME, answer_set_path, answers_path, synth_dir
     from training.data import AnswerSettings, answer_records, parse_target, prompt_records
 
     settings = AnswerSettings(max_new_tokens=a.max_new_tokens, temperatures=_floats(a.temperatures, "--temperatures"),

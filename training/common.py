@@ -1,12 +1,11 @@
-"""What every trainer shares: stable hashes, work directories, the validation split by prompt hash, prompt-source
-groups, the kept vocabulary, the learning-rate schedule, the optimizer and its resumable state, and the set-up of a
-run (target, data, tokenizer, vocabulary, shipped text)."""
+"""What every trainer shares: stable hashes, the validation split by prompt hash, prompt-source groups, the kept
+vocabulary, the learning-rate schedule, the optimizer and its resumable state. Where the work lives:
+``training.paths``; a run's set-up: ``training.run``."""
 from __future__ import annotations
 
 import hashlib
 import math
 import random
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,42 +31,6 @@ def answers_digest(items: list[dict]) -> str:
     data set of the same size is not it."""
     ids = repr([(i["prompt_ids"], i["response_ids"]) for i in items])
     return hashlib.blake2b(ids.encode(), digest_size=6).hexdigest()
-
-
-# -- where a target's training work lives --------------------------------------------------------------------------
-def work_dir(cfg, model_id: str) -> Path:
-    """``<cache>/train/<target id>``: answers, teacher passes, resumable train states."""
-    from server.model_files import default_cache_dir
-
-    return Path(cfg.model.cache_dir or default_cache_dir()) / "train" / model_id
-
-
-def answers_path(cfg, model_id: str) -> Path:
-    """Where ``train data`` writes the target's answers, and where every trainer reads them by default."""
-    return work_dir(cfg, model_id) / "responses.pt"
-
-
-SET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
-
-
-def answer_set_path(cfg, model_id: str, name: str) -> Path:
-    """Where ``train data --set NAME`` writes the answers to a prompt source of its own: its prompts are numbered from
-    0 and sharded apart from the main set's, so neither set's growth moves the other's shards."""
-    if not SET_NAME.fullmatch(name):
-        raise ValueError(f"an answer set's name is 1-40 lower-case letters, digits, '-' or '_', got {name!r}")
-    return work_dir(cfg, model_id) / "responses.sets" / f"{name}.pt"
-
-
-def answer_set_names(cfg, model_id: str) -> list[str]:
-    """The answer sets the work directory holds, complete (a merged ``NAME.pt``) or not (shards only), by name."""
-    found = (p.name.removesuffix(".shards").removesuffix(".pt")
-             for p in (work_dir(cfg, model_id) / "responses.sets").glob("*") if p.suffix in (".pt", ".shards"))
-    return sorted({n for n in found if SET_NAME.fullmatch(n)})
-
-
-def synth_dir(cfg, model_id: str) -> Path:
-    """Where ``train prompts`` writes the synthesized prompts of a target."""
-    return work_dir(cfg, model_id) / "synth"
 
 
 # -- data: sources, validation split, vocabulary ------------------------------------------------------------------
@@ -209,46 +172,3 @@ def start_from(load, check_fits, path: Path, target, log=print) -> tuple[Any, di
     model.attach(target.embed_weight.float(), target.lm_head_weight.float())
     log(f"starting from {path} (kept vocabulary {len(model.vocab_ids)})")
     return model, {"file": path.name, "digest": checkpoint_digest(path)}
-
-
-# -- a run's set-up -----------------------------------------------------------------------------------------------
-@dataclass
-class TrainingRun:
-    """What a drafter's trainer starts from."""
-
-    target: Any                  # server.engine.Target
-    tokenizer: Any
-    stops: tuple[int, ...]       # the target's stop tokens (always in the kept vocabulary)
-    data_file: Path              # the answers file
-    items: list[dict]            # the target's answers
-    text_items: list[dict]       # shipped text sequences (``text_tokens`` of them)
-    vocab_ids: torch.Tensor      # the kept vocabulary, most frequent answer tokens first
-    work: Path                   # ``work_dir``, created
-
-
-def prepare_run(cfg, seed: int, data_path: Path | None, max_new_tokens: int, gen_batch: int, limit: int | None,
-                vocab_subset: int, text_tokens: int, progress: bool = True, log=print) -> TrainingRun:
-    """Seed torch, load the target, make or read its answers (``training.data.ensure_data``), keep the vocabulary,
-    add shipped text: the start of the GLIDE and Falcon trainers alike."""
-    from server.engine import load_target
-    from server.model_files import load_tokenizer
-    from server.tokenization import stop_token_ids
-    from training.data import ensure_data
-
-    torch.manual_seed(seed)
-    target = load_target(cfg, progress=progress)
-    data_file, items = ensure_data(cfg, target, data_path, max_new_tokens, gen_batch, limit, progress, log)
-    tokenizer = load_tokenizer(target.hf_dir)
-    stops = stop_token_ids(tokenizer, target.args.eos_token_ids)
-    vocab_ids = vocab_by_frequency(items, target.args.vocab_size, vocab_subset, stops)
-    log(f"{len(items)} sequences, {sum(len(i['response_ids']) for i in items)} answer tokens; kept vocabulary "
-        f"{len(vocab_ids)} covers {coverage(items, vocab_ids, target.args.vocab_size):.2%} of answer tokens")
-    text_items = []
-    if text_tokens:
-        from training.text import shipped_text_items
-        text_items = shipped_text_items(tokenizer, text_tokens, seed=seed)
-        log(f"+ {len(text_items)} sequences ({sum(len(i['response_ids']) + 1 for i in text_items)} tokens) of "
-            "shipped text")
-    work = work_dir(cfg, target.model_id)
-    work.mkdir(parents=True, exist_ok=True)
-    return TrainingRun(target, tokenizer, stops, data_file, items, text_items, vocab_ids, work)

@@ -28,8 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.common import SET_NAME, answer_set_names, answer_set_path, answers_path, synth_dir
-from training.data import _save_atomic, shard_dir
+from training.paths import SET_NAME, answer_set_names, answer_set_path, answers_path, save_atomic, shard_dir, synth_dir
 
 CORPUS_ROOT = Path(__file__).resolve().parent / "corpus"
 FINISH = ("stop", "length", "refused")  # finish_reason codes of packed answers
@@ -140,7 +139,7 @@ def _restore_answers(src: Path, out: Path) -> tuple[int, int]:
         dst = adir / (packed.stem + ".pt")
         if not dst.exists():
             adir.mkdir(parents=True, exist_ok=True)
-            _save_atomic(_load_packed(packed), dst)
+            save_atomic(_load_packed(packed), dst)
             copied += 1
     adata = src / "data.json"
     if adata.is_file() and not out.exists():
@@ -152,7 +151,7 @@ def _restore_answers(src: Path, out: Path) -> tuple[int, int]:
             if (src / "conversations.npz").is_file():
                 items += _load_packed(src / "conversations.npz")["items"]
             out.parent.mkdir(parents=True, exist_ok=True)
-            _save_atomic({**head, "items": items}, out)
+            save_atomic({**head, "items": items}, out)
             if (src / "card.json").is_file():
                 _write_bytes(out.with_suffix(".card.json"), (src / "card.json").read_bytes())
             merged = 1

@@ -35,7 +35,8 @@ import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
-from training.common import answer_set_names, answer_set_path, answers_path, stable_int, stable_unit, synth_dir
+from training.common import stable_int, stable_unit
+from training.paths import answer_set_names, answer_set_path, answers_path, save_atomic, shard_dir, synth_dir
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
 LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
@@ -204,17 +205,6 @@ def _shard_key(model_id: str, dtype, quantization: str, s: AnswerSettings, recor
     return h.hexdigest()
 
 
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def shard_dir(out: Path) -> Path:
-    """Where ``out``'s shards live: ``responses.pt`` -> ``responses.shards/``."""
-    return out.with_name(out.stem + ".shards")
-
-
 def answer_records(cfg, target, records: list[dict], out: Path, settings: AnswerSettings | None = None,
                    batch: int = 64, step_tokens: int = 512, max_shards: int | None = None, progress: bool = True,
                    log=print, command: str | None = None, reuse: Sequence[str] = ()) -> dict:
@@ -273,7 +263,7 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
             return
         items = [_item(i, records[i], prompts[i], got[k][i], answer_temperature(i, s)) for i in shards[k]]
         now = time.perf_counter()  # a shard's seconds: the wall time since the previous write (they sum to the run's)
-        _save_atomic({"key": keys[k], "items": items, "seconds": now - last_write}, sdir / f"answers-{k:05d}.pt")
+        save_atomic({"key": keys[k], "items": items, "seconds": now - last_write}, sdir / f"answers-{k:05d}.pt")
         origin[k] = mine
         del got[k]
         last_write, new_shards = now, new_shards + 1
@@ -289,7 +279,7 @@ def answer_records(cfg, target, records: list[dict], out: Path, settings: Answer
     data = _merge(sdir, [origin[k] for k in range(len(shards))], target.model_id, s)
     data["items"] += conversation_answers(records, tok, stops)
     data["records"] = len(records)
-    _save_atomic(data, out)
+    save_atomic(data, out)
     write_data_card(out, data, records, command, time.perf_counter() - t0)
     return data
 

@@ -55,7 +55,8 @@ from tqdm import tqdm
 
 from drafters.falcon.model import FalconConfig, FalconModel, block_ids, relaxed_mask
 from training.common import (TrainerOptions, answers_digest, cap_sources, data_sources, held_out, lr_at,
-                             make_optimizer, prepare_run, resume, save_state, seeded_split, source_group, start_from)
+                             make_optimizer, resume, save_state, seeded_split, source_group, start_from)
+from training.run import prepare_run
 from training.teacher import padded_pass, teacher_pass
 
 

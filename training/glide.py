@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from drafters.glide.model import GlideConfig, GlideModel, block_mask
-from training.common import (TrainerOptions, data_sources, held_out, is_shipped_text, lr_at, make_optimizer,
-                             prepare_run, resume, save_state, seeded_split, source_group, start_from)
+from training.common import (TrainerOptions, data_sources, held_out, is_shipped_text, lr_at, make_optimizer, resume,
+                             save_state, seeded_split, source_group, start_from)
+from training.run import prepare_run
 from training.teacher import TeacherData, cached_teacher, teacher_key, usable
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from training import corpus
-from training.common import answers_path, synth_dir
-from training.data import AnswerSettings, answer_records, load_responses, prompt_records, shard_dir
+from training.paths import answers_path, shard_dir, synth_dir
+from training.data import AnswerSettings, answer_records, load_responses, prompt_records
 from training.synth import SynthSettings, synthesize_prompts
 
 SYNTH = SynthSettings(count=6, max_generated=6, shard_size=3, max_prompt_tokens=24, max_answer_tokens=16,
@@ -162,7 +162,7 @@ def test_an_answer_set_of_its_own_is_saved_restored_and_read_after_the_main_set(
     """``train data --set NAME``: a prompt source answered apart from the main set (its prompts numbered from 0, its
     shards in a folder of their own), kept in the corpus with its prompts, and read by the trainers after the main
     set's answers."""
-    from training.common import answer_set_names, answer_set_path
+    from training.paths import answer_set_names, answer_set_path
     from training.data import ensure_data
 
     cfg, data = first
