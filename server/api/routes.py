@@ -28,7 +28,9 @@ from server.api.generation import Choices, TokenLogprob, cache_namespace
 from server.api.logprobs import chat_logprobs, completion_logprobs
 from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
 from server.api.structured import RESPONSE_SCHEMA, FieldError, check_schema, compile_checked, response_format_grammar
-from server.api.tools import ToolPlan, ToolReply, tool_grammar_lark
+from server.api.tool_grammar import tool_grammar_lark
+from server.api.tool_parser import ToolReply
+from server.api.tools import ToolPlan
 from server.tokenization import ChatTemplateError, encode_chat, encode_text
 from server.worker.process import new_request_id
 
@@ -316,7 +318,7 @@ def _stream(request: Request, group: Choices, chunk: Callable[..., dict], includ
 
 async def _respond(request: Request, req, group: Choices, chat: bool, plan: ToolPlan | None = None):
     """The OpenAI response for a submitted request: SSE chunks when streaming, else one JSON body. With an active
-    tool plan each choice's text is parsed into calls (server.api.tools)."""
+    tool plan each choice's text is parsed into calls (server.api.tool_parser)."""
     s = _state(request)
     head = {"id": ("chatcmpl-" if chat else "cmpl-") + group.request_id.split("-", 1)[1],
             "created": int(time.time()), "model": s.model_name}

@@ -22,8 +22,9 @@ from pydantic import BaseModel, Field
 
 from core.grammar import GrammarTokenizer, lark_grammar
 from server.api.structured import ResponseFormat, ToolChoice, ToolSpec
-from server.api.tools import (END, TRIGGER, ToolCallParser, ToolPlan, ToolReply, render_messages, tool_grammar_lark,
-                              tools_prompt)
+from server.api.tool_grammar import tool_grammar_lark
+from server.api.tool_parser import ToolCallParser, ToolReply
+from server.api.tools import END, TRIGGER, ToolPlan, render_messages, tools_prompt
 from tests.server.conftest import ServerProcess
 from tests.server.test_logprobs_api import ScriptWorker, call, make_client
 
