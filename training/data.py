@@ -155,8 +155,10 @@ class BatchedGenerator:
 
         decoding = [s for s in seqs if s.prefilled]
         chunks = prefill_chunks(seqs, self.step_tokens - len(decoding))
-        out = self.engine.run(StepPlan(decoding, chunks, {s.seq_id: 1 for s in decoding})).emitted
-        return sum(len(t) for t in out.values())
+        result = self.engine.run(StepPlan(decoding, chunks, {s.seq_id: 1 for s in decoding}))
+        for e in result.failed.values():  # offline: a sequence's fault ends the run, as it was raised
+            raise e
+        return sum(len(t) for t in result.emitted.values())
 
 
 # -- answers at scale ---------------------------------------------------------------------------------------------
