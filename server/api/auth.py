@@ -82,11 +82,3 @@ def partition_of(token: str) -> str:
 def caller_partition(keys: ApiKeys | None, request: Request) -> str:
     """Authenticate the request (with keys configured) and return the prefix-cache partition it uses."""
     return partition_of(bearer_token(request)) if keys is None else keys.check(request)
-
-
-def require_key(keys: ApiKeys | None):
-    """A FastAPI dependency: ``caller_partition`` onto ``request.state.cache_partition`` (a 401 without a key)."""
-    async def dependency(request: Request) -> None:
-        request.state.cache_partition = caller_partition(keys, request)
-
-    return dependency

@@ -23,6 +23,7 @@ import torch
 
 ENV = "SPECSERVE_INJECT_FAULTS"
 STAGES = ("admit", "propose", "accept", "first", "forward", "sticky", "exit")
+FIRES_AT = {"sticky": "forward", "exit": "admit"}  # the stage these two fire at; every other fires at its own
 
 
 class InjectedPanic(BaseException):
@@ -63,8 +64,7 @@ class FaultPlan:
         if stage == "forward" and self.sticky:
             _raise(self.sticky, "forward (sticky)")
         for token, (want, kind) in self.rules.items():
-            if want in (stage, "sticky" if stage == "forward" else None, "exit" if stage == "admit" else None) \
-                    and any(token in p for p in prompts):
+            if FIRES_AT.get(want, want) == stage and any(token in p for p in prompts):
                 self.fired.append(f"{want}:{kind}")
                 if want == "exit":
                     os._exit(70)

@@ -133,6 +133,16 @@ def metric(samples: dict, name: str, **labels) -> float:
 OUTCOMES = ("completed", "client_error", "server_error", "aborted")
 
 
+def wait_until(pred, timeout: float = 20.0, step: float = 0.1) -> bool:
+    """True as soon as ``pred()`` is, polled every ``step`` seconds; False after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
 def wait_balanced(url: str, timeout: float = 10.0) -> bool:
     """True once received == sum of outcomes and no request runs or waits (the last outcome is counted just after
     its response went out, so a scrape right after a reply can be one step early)."""

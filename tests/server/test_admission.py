@@ -162,12 +162,9 @@ def test_schema_validation_is_off_the_event_loop():
     assert ChatCompletionRequest.model_validate({"model": "m", "messages": MSG, "tools": [tool]})
 
 
-def test_requests_being_prepared_count_against_the_queue():
-    """Room for one more request: the first is held in its chat template (prepared, not yet submitted); a second
-    one arriving meanwhile is refused at once, and the first then runs."""
-    worker = FakeWorker()
-    worker.extra_in_flight = worker.ready.num_slots + 4 - 1
-    app, _, tok = make_app(worker)
+def post_while_first_is_held(app, tok, after: int = 0):
+    """A chat request held inside its chat template (prepared, not yet submitted) and a second one sent meanwhile;
+    then the first is let go and `after` more are sent -> (first, second, [the later ones])."""
     tok.gate = threading.Event()
 
     async def scenario():
@@ -182,9 +179,18 @@ def test_requests_being_prepared_count_against_the_queue():
             assert tok.entered.is_set()
             second = await c.post(CHAT, json=body)
             tok.gate.set()
-            return await first, second
+            return await first, second, [await c.post(CHAT, json=body) for _ in range(after)]
 
-    first, second = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_requests_being_prepared_count_against_the_queue():
+    """Room for one more request: the first is held in its chat template (prepared, not yet submitted); a second
+    one arriving meanwhile is refused at once, and the first then runs."""
+    worker = FakeWorker()
+    worker.extra_in_flight = worker.ready.num_slots + 4 - 1
+    app, _, tok = make_app(worker)
+    first, second, _ = post_while_first_is_held(app, tok)
     error(second, 503, code="queue_full")
     assert first.status_code == 200, first.text
     assert len(worker.generates) == 1 and tok.templates == 1
@@ -196,22 +202,7 @@ def test_a_full_preparation_pool_is_503_queue_full():
     worker = FakeWorker()
     app, _, tok = make_app(worker)
     app.state.prep = PrepPool(threads=1, max_jobs=1)
-    tok.gate = threading.Event()
-
-    async def scenario():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=auth()) as c:
-            body = {"model": MODEL, "messages": MSG, "max_tokens": 2}
-            first = asyncio.create_task(c.post(CHAT, json=body))
-            for _ in range(3000):
-                if tok.entered.is_set():
-                    break
-                await asyncio.sleep(0.01)
-            second = await c.post(CHAT, json=body)
-            tok.gate.set()
-            return await first, second, await c.post(CHAT, json=body)
-
-    first, second, third = asyncio.run(scenario())
+    first, second, (third,) = post_while_first_is_held(app, tok, after=1)
     error(second, 503, code="queue_full")
     assert second.headers["retry-after"]
     assert first.status_code == 200 and third.status_code == 200, (first.text, third.text)

@@ -5,10 +5,10 @@ import asyncio
 import json
 
 import pytest
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 
-from server.api.auth import ApiKeys, require_key
+from server.api.auth import ApiKeys, caller_partition
 from server.api.errors import APIError, BodySizeLimitMiddleware, install_error_handlers
 from server.api.protocol import ChatCompletionRequest
 
@@ -17,6 +17,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"content-type": "application/json"}
 LIMIT = 4096
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def require_key(keys: ApiKeys | None):
+    """The routes' key check (server.api.routes._auth) as a dependency with fixed keys."""
+    async def dependency(request: Request) -> None:
+        request.state.cache_partition = caller_partition(keys, request)
+
+    return dependency
 
 
 def make_app(max_bytes: int = LIMIT) -> FastAPI:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import metric, scrape, wait_balanced
+from tests.server.conftest import metric, scrape, wait_balanced, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -25,15 +25,6 @@ LONG = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content
 FREE_BOUND_S = 6.0
 
 
-def _wait(pred, timeout=20.0, step=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
-
-
 def _running(url) -> float:
     return metric(scrape(url), "specserve_requests_running")
 
@@ -45,7 +36,7 @@ def _verify_steps(url) -> float:
 def assert_freed_within_one_step(url, steps_at_close: float) -> None:
     """The client just went away: its slot is free before the worker starts another step for it."""
     t0 = time.monotonic()
-    assert _wait(lambda: _running(url) == 0, timeout=FREE_BOUND_S, step=0.02), "the slot was not freed"
+    assert wait_until(lambda: _running(url) == 0, timeout=FREE_BOUND_S, step=0.02), "the slot was not freed"
     freed_after = time.monotonic() - t0
     # the step running at the close, plus one whose message may have been in the pipe when we scraped
     more = _verify_steps(url) - steps_at_close
@@ -61,14 +52,14 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert _wait(lambda: _running(server.url) == 1)
+        assert wait_until(lambda: _running(server.url) == 1)
         time.sleep(0.5)  # a few steps into its generation
     # the client has gone: within a step the worker drops the sequence and its KV slot
     assert_freed_within_one_step(server.url, _verify_steps(server.url))
     s = scrape(server.url)
     generated = metric(s, "specserve_generation_tokens_total") - metric(before, "specserve_generation_tokens_total")
     assert generated < 400  # it was cut short, far from the context end
-    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
+    assert wait_until(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
                  metric(before, "specserve_requests_total", outcome="aborted") + 1)
     assert wait_balanced(server.url)
 
@@ -83,7 +74,7 @@ def test_disconnect_non_streaming_aborts(server):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                      + body)
-        assert _wait(lambda: _running(server.url) == 1)
+        assert wait_until(lambda: _running(server.url) == 1)
         time.sleep(0.5)  # a few steps into its generation
     finally:
         sock.close()  # the client gives up waiting for the JSON reply
@@ -91,7 +82,7 @@ def test_disconnect_non_streaming_aborts(server):
     s = scrape(server.url)
     generated = metric(s, "specserve_generation_tokens_total") - metric(before, "specserve_generation_tokens_total")
     assert generated < 400
-    assert _wait(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
+    assert wait_until(lambda: metric(scrape(server.url), "specserve_requests_total", outcome="aborted") ==
                  metric(before, "specserve_requests_total", outcome="aborted") + 1)
     assert wait_balanced(server.url)
 
@@ -119,7 +110,7 @@ def test_worker_death_past_the_restart_budget_fails_in_flight_and_exits_nonzero(
             return httpx.get(s.url + "/health", timeout=2).status_code == 503
         except httpx.HTTPError:
             return True  # already exited
-    assert _wait(health_down, timeout=10)
+    assert wait_until(health_down, timeout=10)
     s.proc.wait(timeout=60)
     assert s.proc.returncode not in (0, None)
 
@@ -135,7 +126,7 @@ def test_sigterm_drains_in_flight_and_exits_zero(make_server):
 
     t = threading.Thread(target=stream)
     t.start()
-    assert _wait(lambda: metric(scrape(s.url), "specserve_requests_running") == 1)
+    assert wait_until(lambda: metric(scrape(s.url), "specserve_requests_running") == 1)
     s.proc.send_signal(signal.SIGTERM)
     t.join(120)
     assert result["lines"][-1] == "data: [DONE]"  # the in-flight request finished

@@ -20,7 +20,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from server.engine.faults import ENV
-from tests.server.conftest import ServerProcess, metric, scrape, wait_balanced
+from tests.server.conftest import ServerProcess, metric, scrape, wait_balanced, wait_until
 
 pytestmark = pytest.mark.server
 
@@ -61,15 +61,6 @@ def _health(url) -> int:
         return httpx.get(url + "/health", timeout=5).status_code
     except httpx.HTTPError:
         return 0
-
-
-def _wait(pred, timeout, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return False
 
 
 # 5% hostile. The suite runs 400 requests (each hostile kind about three times); the 2,000 passed in 563 s
@@ -179,9 +170,9 @@ def test_an_engine_failing_every_step_is_unhealthy_then_restarted(srv, client, a
     with pytest.raises(openai.InternalServerError):
         _complete(client, PROMPTS[1])  # the second failed step in a row
     failed_at = time.monotonic()
-    assert _wait(lambda: _health(srv.url) == 503, timeout=2.0), "/health did not turn 503 within 2 s"
+    assert wait_until(lambda: _health(srv.url) == 503, timeout=2.0, step=0.05), "/health did not turn 503 within 2 s"
     assert time.monotonic() - failed_at < 2.0
-    assert _wait(lambda: _health(srv.url) == 200, timeout=30.0), "/health not 200 within 30 s of the restart"
+    assert wait_until(lambda: _health(srv.url) == 200, timeout=30.0, step=0.05), "/health not 200 within 30 s of the restart"
     assert srv.worker_pid() != pid
     assert _complete(client, PROMPTS[1]) == alone[1]
     assert metric(scrape(srv.url), "specserve_worker_restarts_total") == 1
@@ -211,7 +202,7 @@ def test_a_killed_worker_is_restarted_running_requests_fail_queued_ones_complete
                for i in (1, 2)]
     for t in waiters:
         t.start()
-    assert _wait(lambda: metric(scrape(srv.url), "specserve_requests_waiting") == 2, timeout=20)
+    assert wait_until(lambda: metric(scrape(srv.url), "specserve_requests_waiting") == 2, timeout=20, step=0.05)
     os.kill(pid, signal.SIGKILL)
     for t in streams + waiters:
         t.join(120)
