@@ -13,7 +13,10 @@ import os
 import sys
 
 from core.ops import DTYPES, QUANTIZATIONS
+from server.bench.records import RESULTS
 from server.config import ConfigError, EngineConfig, load_config
+
+RECORD_HELP = "also write a results record (JSON) into DIR (default docs/results); then `specserve bench report`"
 
 
 def common_options(p: argparse.ArgumentParser,
@@ -33,12 +36,18 @@ def log_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def emit(text: str, report, json_path: str | None) -> None:
-    """Print a benchmark's table; write its full report as JSON when asked."""
+def emit(text: str, report, json_path: str | None, record: str | None = None, kind: str = "",
+         argv: list[str] | None = None) -> None:
+    """Print a benchmark's table; write its full report as JSON, and a results record of the command ``argv`` into
+    the folder ``record``, when asked."""
     print(text)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
+    if record:
+        from server.bench import records
+
+        log_stderr(f"record: {records.write(records.make(kind, report, argv), record)}")
 
 
 def _choices(arg: str, valid: tuple[str, ...], flag: str) -> list[str]:
@@ -57,12 +66,12 @@ def config_from_args(a: argparse.Namespace, drafter: str | None = None) -> Engin
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from core.sampling import SamplingParams
-    from server.engine import Engine
+    from server.engine import load_engine
     from server.model_files import load_tokenizer
     from server.tokenization import encode_chat, encode_text, stop_token_ids
 
     cfg = config_from_args(a, a.drafter)
-    engine = Engine(cfg)
+    engine = load_engine(cfg)
     tok = load_tokenizer(engine.target.hf_dir)
     if a.messages is not None:
         messages = json.loads(a.messages)
@@ -94,7 +103,7 @@ def cmd_bench_offline(a: argparse.Namespace) -> int:
                               repetition_penalty=a.repetition_penalty)
     rep = run_offline(cfg, [a.drafter or "none"], a.prompts, a.max_tokens, a.baseline, a.repeats, log=log_stderr,
                       sampling=sampling, grammar=not a.no_grammar, free_baseline=a.free_baseline)
-    emit(format_report(rep), rep, a.json)
+    emit(format_report(rep), rep, a.json, a.record, "offline", getattr(a, "argv", None))
     return 0
 
 
@@ -108,8 +117,14 @@ def cmd_bench_steps(a: argparse.Namespace) -> int:
     if any(not 1 <= r <= 4096 for r in rows):
         raise ConfigError("--rows: each row count must be in [1, 4096] (past 64: causal rows, as a batch of sequences)")
     rep = run_steps(cfg, dtypes, quants, rows, a.cached, a.repeats, a.profile, log=log_stderr)
-    emit(format_steps(rep), rep, a.json)
+    emit(format_steps(rep), rep, a.json, a.record, "steps", getattr(a, "argv", None))
     return 0
+
+
+def cmd_bench_report(a: argparse.Namespace) -> int:
+    from server.bench.report import PAGE, run
+
+    return run(a.results, a.out or str(PAGE), a.check)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -192,7 +207,11 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     except ConnectionError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
-    emit(text, rep, a.json)
+    if a.record:
+        from server.bench.serve import server_drafter
+
+        rep["drafter"] = server_drafter(a.url, api_key)
+    emit(text, rep, a.json, a.record, "serve", getattr(a, "argv", None))
     if a.plot:
         plot_serve_report(rep, a.plot)
     return 0 if rep["errors"] == 0 else 1
@@ -248,6 +267,7 @@ def add_commands(sub) -> None:
     bo.add_argument("--baseline", choices=["hf"], default=None)
     bo.add_argument("--repeats", type=int, default=1, help="passes over the prompts; tok/s is their median")
     bo.add_argument("--json", default=None, metavar="OUT", help="write the full report as JSON")
+    bo.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="DIR", help=RECORD_HELP)
     bo.set_defaults(func=cmd_bench_offline)
     bt = bsub.add_parser("steps", help="step-cost curve: ms per target forward vs rows verified, per dtype")
     bt.add_argument("--config", default=None, help="YAML config (model source, device)")
@@ -261,6 +281,7 @@ def add_commands(sub) -> None:
     bt.add_argument("--profile", type=int, default=None, metavar="ROWS",
                     help="also print torch.profiler's top operators for 1 row and ROWS rows")
     bt.add_argument("--json", default=None, metavar="OUT")
+    bt.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="DIR", help=RECORD_HELP)
     bt.set_defaults(func=cmd_bench_steps)
     bs = bsub.add_parser("serve", help="drive a running server through the OpenAI streaming API")
     bs.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -295,4 +316,10 @@ def add_commands(sub) -> None:
     bs.add_argument("--plot", default=None, metavar="FILE.png",
                     help="plot output tok/s and TTFT/TPOT p50/p99 vs concurrency (needs matplotlib: "
                     "pip install 'specserve[plot]')")
+    bs.add_argument("--record", nargs="?", const=str(RESULTS), default=None, metavar="DIR", help=RECORD_HELP)
     bs.set_defaults(func=cmd_bench_serve)
+    br = bsub.add_parser("report", help="docs/benchmarks.md from the results records (current results per machine)")
+    br.add_argument("--results", default=str(RESULTS), help="the records' folder")
+    br.add_argument("--out", default=None, help="the page to write (default docs/benchmarks.md)")
+    br.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page is out of date")
+    br.set_defaults(func=cmd_bench_report)

@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = ["specserve", *argv]  # the command as typed, for benchmark records
     try:
         return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:

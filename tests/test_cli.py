@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from server.bench import records
+from server.bench.report import render_record
 from specserve.cli import main
 
 
@@ -34,9 +36,14 @@ def test_bench_offline_json(tmp_path, capsys):
                        + json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
     out = tmp_path / "bench.json"
     rc = main(["bench", "offline", "--dtype", "float32", "--drafter", "ngram", "--prompts", str(prompts),
-               "--max-tokens", "12", "--baseline", "hf", "--json", str(out)])
+               "--max-tokens", "12", "--baseline", "hf", "--json", str(out), "--record", str(tmp_path / "rec")])
     assert rc == 0
     printed = capsys.readouterr().out
+    [rec] = records.load(tmp_path / "rec")
+    assert rec["kind"] == "offline" and "outputs" not in json.dumps(rec["figures"])
+    section, title, lines = render_record(rec)
+    assert section.startswith("Offline") and "2 prompts x 12 tokens, greedy" in title
+    assert [x.split(" | ")[0] for x in lines[2:]] == ["| none", "| ngram", "| HF generate"]
     assert "ngram" in printed and "hf generate" in printed
     rep = json.loads(out.read_text())
     assert rep["prompts"] == 2 and rep["max_tokens"] == 12
@@ -142,9 +149,14 @@ def test_bench_steps_prints_the_step_cost_curve(tiny_dir, tmp_path, capsys):
     out = tmp_path / "steps.json"
     assert main(["bench", "steps", "--config", str(cfg), "--dtypes", "float32,bfloat16", "--quantizations",
                  "none,int8", "--rows", "1,2,4", "--cached", "16", "--repeats", "2", "--profile", "4",
-                 "--json", str(out)]) == 0
+                 "--json", str(out), "--record", str(tmp_path / "rec")]) == 0
     printed = capsys.readouterr().out
     assert "ms per target forward vs rows" in printed and "top operators, float32 int8, 4 row(s)" in printed
+    [rec] = records.load(tmp_path / "rec")  # the results record: the command as typed, the curves without profiles
+    assert rec["kind"] == "steps" and rec["command"].startswith("specserve bench steps --config ")
+    assert rec["machine"] == records.machine() and "profile" not in json.dumps(rec["figures"])
+    section, _, lines = render_record(rec)
+    assert section == "Target speed" and lines[2].startswith("| float32 | none | ") and len(lines) == 2 + 4
     rep = json.loads(out.read_text())
     assert [(c["dtype"], c["quantization"]) for c in rep["curves"]] == [
         ("float32", "none"), ("float32", "int8"), ("bfloat16", "none"), ("bfloat16", "int8")]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import re
 import statistics
 import time
+import urllib.request
 
 from server.tokenization import read_prompts
 
@@ -140,6 +142,18 @@ async def _level(client, model: str, prompts: list[dict], concurrency: int, num_
             # per request, without the raw gaps (a long sweep would write one number per token)
             "requests": [{"ttft_s": r["ttft"], "e2e_s": r["e2e"], "tokens": r["tokens"], "chunks": r["chunks"],
                           "tpot_s": r["tpot"], "itl_sum_s": sum(r["gaps"])} for r in results]}
+
+
+def server_drafter(url: str, api_key: str | None) -> str | None:
+    """The drafter a specserve server runs, read from the `drafter` label of its /metrics (None elsewhere)."""
+    base = url.rstrip("/").removesuffix("/v1")
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            m = re.search(r'^specserve_\w+\{[^}]*drafter="([^"]*)"', r.read().decode(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
 def make_client(url: str, api_key: str | None):

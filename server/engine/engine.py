@@ -38,13 +38,17 @@ from server.engine.rows import RowLayout
 from server.engine.sequence import GenerationOutput, RequestError, Sequence, SeqView
 from server.engine.slots import Slots
 from server.engine.step import SeqStep, StepPlan, StepResult
-from server.engine.target import Target, load_target
+from server.engine.target import Target
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig, drafter: Drafter | None = None, target: Target | None = None):
+        """An engine on ``target`` (loaded by ``server.engine.load_engine`` / ``load_target``), drafting with
+        ``drafter`` (default: the config's)."""
+        if target is None:
+            raise TypeError("Engine needs a loaded target: server.engine.load_engine(cfg) loads one")
         self.cfg = cfg
-        self.target = target = target or load_target(cfg)
+        self.target = target
         self.model = target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype

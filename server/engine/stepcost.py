@@ -15,16 +15,13 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from core.ops import linear_key, measure_int4_forms, measure_linear_kernels, use_linear_kernel
 from core.tree import MAX_TREE_ROWS, DraftTree
 from server.engine.step import StepPlan
-
-if TYPE_CHECKING:
-    from server.engine.engine import Engine
 
 log = logging.getLogger("specserve.engine")
 
@@ -36,9 +33,9 @@ COSTS_FILE = "step-cost.json"
 BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the step-cost curve the draft budget interpolates
 
 
-def step_curve(engine: "Engine", rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
+def step_curve(engine, rows: tuple[int, ...], cached: int = 300, repeats: int = 7, seed: int = 0,
                on_ready: Callable[[], None] | None = None) -> dict[int, float]:
-    """{rows: median ms of one ``engine.verify`` over a chain of that many rows after ``cached`` cached tokens}.
+    """{rows: median ms of one ``engine.verify`` (an ``Engine``) over a chain of that many rows after ``cached`` cached tokens}.
 
     Nothing is committed: every forward writes the same cache rows past the prefix, as a rejected draft would.
     ``on_ready`` runs once the prefix is cached, before the first timed forward (a profiler starts there).

@@ -45,7 +45,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     """Entry point of the worker process: build the engine, announce it, then serve until told to stop."""
     import torch
 
-    from server.engine import Engine, faults
+    from server.engine import faults, load_engine
     from server.engine.stepcost import BUDGET_ROWS, STEP_GAP_FACTOR, step_costs, step_token_budget
     from server.worker.budget import DraftBudget
     from server.worker.scheduler import Scheduler
@@ -53,7 +53,7 @@ def worker_main(cfg: EngineConfig, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     if os.environ.get("SPECSERVE_WORKER_THREADS"):
         torch.set_num_threads(int(os.environ["SPECSERVE_WORKER_THREADS"]))
-    engine = Engine(cfg)
+    engine = load_engine(cfg)
     engine.faults = faults.from_env()
     send_lock = threading.Lock()  # the scheduler and the reader thread (pongs) both send
 

@@ -6,7 +6,7 @@ import torch
 
 from core.sampling import GREEDY_TEMPERATURE, SamplingParams, target_probs
 from server.config import config_from_dict
-from server.engine import Engine
+from server.engine import load_engine
 
 
 @pytest.mark.parametrize("t", [0.0, 1e-38, 5e-324, 1e-300, 1e-6])
@@ -29,7 +29,7 @@ def test_target_probs_refuses_a_greedy_request():
 def test_engine_decodes_tiny_temperatures_greedily(tiny_dir):
     cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
                             "cache": {"num_slots": 1, "max_seq_len": 32}, "drafter": {"name": "ngram"}})
-    engine = Engine(cfg)
+    engine = load_engine(cfg)
     greedy = engine.generate([2, 3, 4, 2, 3], max_new_tokens=8).token_ids
     for t in (1e-38, 5e-324, 1e-7):
         out = engine.generate([2, 3, 4, 2, 3], SamplingParams(temperature=t, top_p=0.5, top_k=3, seed=1),

@@ -7,14 +7,14 @@ import torch
 from core.sampling import SamplingParams
 from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine import Engine, NoFreeSlotError, RequestError
+from server.engine import Engine, NoFreeSlotError, RequestError, load_engine
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_dir):
     cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
                             "cache": {"num_slots": 2, "max_seq_len": 32}})
-    return Engine(cfg)
+    return load_engine(cfg)
 
 
 def test_bad_prompts_raise_clear_errors(tiny_engine):

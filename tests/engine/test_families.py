@@ -13,7 +13,7 @@ import torch
 from core.ops import FAMILIES, LlamaArgs, UnsupportedModel
 from drafters.base import create_drafter
 from server.config import config_from_dict
-from server.engine import Engine, StepPlan, load_target
+from server.engine import Engine, StepPlan, load_engine, load_target
 from tests.engine.tree_drafters import OracleTreeDrafter
 from tests.lossless import assert_lossless, plain_tokens, tokens_per_step
 
@@ -255,7 +255,7 @@ def test_generation_config_adds_the_end_of_turn_ids(tmp_path):
     assert args.eos_token_ids == (1, 7, 9)
     cfg = config_from_dict({"model": {"source": str(tmp_path), "dtype": "float32", "device": "cpu"},
                             "cache": {"num_slots": 1, "max_seq_len": 64}})
-    engine = Engine(cfg)
+    engine = load_engine(cfg)
     prompt = _prompts(1)[0]
     free = engine.generate(prompt, None, 12).token_ids
     stop = free[3]
@@ -282,7 +282,7 @@ def test_a_hub_snapshot_is_named_by_its_repository(tmp_path):
 def test_the_dtype_measurement_holds_no_copy_of_the_weights(tmp_path):
     """``model.dtype: auto`` measures on the target's first layers around its own tensors (float32: the very same
     storage), and casting that model for the bfloat16 candidate leaves the target in float32."""
-    from server.engine.target import AUTO_LAYERS, _measure_dtype, measurement_model
+    from server.engine.startup import AUTO_LAYERS, measure_dtype, measurement_model
 
     d = tmp_path / "deep"
     d.mkdir()
@@ -301,7 +301,7 @@ def test_the_dtype_measurement_holds_no_copy_of_the_weights(tmp_path):
     mine = {p.data_ptr() for p in model.parameters()}
     assert {p.data_ptr() for p in small.parameters()} <= mine  # nothing copied
     before = {n: p.clone() for n, p in model.named_parameters()}
-    curve = _measure_dtype(cfg, model, resolve_model_for(cfg), torch.device("cpu"), "bfloat16")
+    curve = measure_dtype(cfg, model, resolve_model_for(cfg), torch.device("cpu"), "bfloat16")
     assert set(curve) == {1, 8}
     assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert type(model.layers[0].wqkv).__name__ == "Linear"  # the target's own layers were not swapped

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from server.config import config_from_dict
-from server.engine import Engine
+from server.engine import Engine, load_engine
 from server.tokenization import encode_chat, stop_token_ids
 from tests.conftest import write_tiny_llama
 
@@ -62,7 +62,7 @@ def test_tiny_llama_variants_match_transformers(tmp_path, rope_scaling, tie):
                      rope_scaling=rope_scaling, tie=tie)
     cfg = config_from_dict({"model": {"source": str(tmp_path), "dtype": "float32", "device": "cpu"},
                             "cache": {"num_slots": 1, "max_seq_len": 200}})
-    engine = Engine(cfg)
+    engine = load_engine(cfg)
     ids = torch.randint(0, 64, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     with torch.inference_mode():

@@ -10,7 +10,7 @@ import pytest
 from core.sampling import SamplingParams
 from drafters.base import create_drafter, drafter_names
 from server.config import config_from_dict
-from server.engine import Engine, NoFreeSlotError
+from server.engine import Engine, NoFreeSlotError, load_engine
 from server.engine.prefix_cache import RadixIndex
 from core.tree import DraftTree
 
@@ -67,7 +67,7 @@ def tiny_cfg(tiny_dir):
 
 @pytest.fixture
 def tiny(tiny_cfg):
-    return Engine(tiny_cfg)
+    return load_engine(tiny_cfg)
 
 
 def _run(engine, prompt, n=6, namespace=None, sampling=None):
@@ -126,7 +126,7 @@ def test_namespaces_are_isolated(tiny):
 
 
 def test_caching_off_keeps_nothing(tiny_cfg):
-    engine = Engine(_cache_off(tiny_cfg))
+    engine = load_engine(_cache_off(tiny_cfg))
     p = [2, 3, 4, 5, 6, 7, 8]
     _run(engine, p)
     assert _run(engine, p).cached_tokens == 0 and engine.pool.slots_used == 0 and engine.prefix.hits == 0

@@ -9,7 +9,7 @@ import torch
 from core.ops import Int4Weight, Int8Weight, linear
 from drafters.base import create_drafter
 from server.config import config_from_dict
-from server.engine import Engine, load_target
+from server.engine import Engine, load_engine, load_target
 from server.engine.quant import PackedLinear
 from server.engine.stepcost import CHOICE_FILE, KERNELS_FILE, choose_dtype, choose_int4_form, machine_key
 
@@ -152,7 +152,7 @@ def test_quantized_target_differs_from_the_float_one_but_stays_close(tiny_dir):
             for k in ("none", "int8", "int4")}
     logits = {}
     for k, c in cfgs.items():
-        e = Engine(c)
+        e = load_engine(c)
         seq = e.add([2, 3, 4, 5, 6])
         with torch.inference_mode():
             logits[k] = e.logits(e.forward(seq, [2, 3, 4, 5, 6], torch.arange(5)))
@@ -200,7 +200,7 @@ def test_dtype_auto_measures_the_real_target_and_caches_the_choice(tiny_dir, tmp
         short = config_from_dict({"model": {"source": str(model_dir), "dtype": "auto", "device": "cpu",
                                             "quantization": "int8" if ctx == 32 else "int4"},
                                   "cache": {"num_slots": 1, "max_seq_len": ctx}})
-        assert Engine(short).generate([2, 3], max_new_tokens=2).finish_reason == "length"
+        assert load_engine(short).generate([2, 3], max_new_tokens=2).finish_reason == "length"
 
 
 def test_auto_quantization_is_a_gguf_files_own_on_cpu_and_none_otherwise(tiny_dir):

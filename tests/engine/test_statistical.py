@@ -13,7 +13,7 @@ import server.engine.acceptance as acceptance
 from core.sampling import SamplingParams, target_probs
 from core.tree import DraftTree
 from server.config import config_from_dict
-from server.engine import Engine
+from server.engine import Engine, load_engine
 from tests.conftest import chi2_pvalue
 from tests.engine.tree_drafters import RandomQTreeDrafter
 
@@ -52,7 +52,7 @@ def engine(tiny_dir):
     torch.set_num_threads(1)
     cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
                             "cache": {"num_slots": 1, "max_seq_len": 64}})
-    yield Engine(cfg, RandomQTreeDrafter(V, max_rows=12, seed=0))
+    yield load_engine(cfg, RandomQTreeDrafter(V, max_rows=12, seed=0))
     torch.set_num_threads(threads)
 
 

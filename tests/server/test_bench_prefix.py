@@ -11,7 +11,8 @@ import httpx
 import pytest
 from openai.types import CompletionUsage
 
-from server.bench import prefix
+from server.bench import prefix, records
+from server.bench.report import render_record
 from server.bench.prefix import (MESSAGE_TOKENS, cache_fields, estimate_tokens, hit_rate, mode_summary, padding_text,
                                  plan_multi_turn, plan_shared_prefix, questions_of, run_salt)
 from server.bench.serve import cached_tokens
@@ -289,8 +290,11 @@ def _positive(x) -> bool:
 def test_multi_turn_against_a_server(prefix_server, tmp_path, capsys):
     out = tmp_path / "mt.json"
     assert _bench(prefix_server, out, "--workload", "multi-turn", "--conversations", "2", "--turns", "2",
-                  "--history-tokens", "120", "--max-tokens", "3") == 0
+                  "--history-tokens", "120", "--max-tokens", "3", "--record", str(tmp_path / "rec")) == 0
     printed = capsys.readouterr().out
+    section, title, lines = render_record(records.load(tmp_path / "rec")[0])
+    assert section == "Prefix caching" and "2 conversations x 2 turns" in title
+    assert [x.split(" | ")[0] for x in lines[2:]] == ["| on", "| off"]
     rep = _report(out)
     assert rep["workload"] == "multi-turn" and rep["errors"] == 0 and (rep["conversations"], rep["turns"]) == (2, 2)
     assert _positive(rep["chars_per_token"])

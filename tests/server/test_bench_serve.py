@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from server.bench import records
+from server.bench.report import render_record
 from server.bench.serve import _pct, _summary, default_num_requests, parse_levels
 from specserve.cli import main
 from tests.server.conftest import API_KEY, ServerProcess
@@ -69,8 +71,13 @@ def test_concurrency_levels_and_default_request_count(capsys):
 @pytest.mark.server
 def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out)) == 0
+    assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out), "--record", str(tmp_path)) == 0
     printed, log = capsys.readouterr()
+    [rec] = records.load(tmp_path)  # the results record names the server's drafter (from its /metrics)
+    assert rec["kind"] == "serve" and rec["figures"]["drafter"] == "none"
+    assert "requests" not in rec["figures"]["levels"][0]
+    section, title, lines = render_record(rec)
+    assert section == "Serving" and "drafter none" in title and [x.split(" | ")[0] for x in lines[2:]] == ["| 1", "| 2"]
     rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON report"))
     assert rep["concurrency"] == [1, 2] and rep["errors"] == 0 and rep["max_tokens"] == MAX_TOKENS
     assert rep["workload"] == "prompts"
