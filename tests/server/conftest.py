@@ -25,7 +25,7 @@ def free_port() -> int:
 class ServerProcess:
     def __init__(self, tmp: Path, drafter: str = "ngram", num_slots: int = 4, max_waiting: int = 4,
                  max_seq_len: int = 512, api_key: str | None = API_KEY, drain_timeout: float = 30.0,
-                 server_options: dict | None = None, dtype: str = "bfloat16", source: str = "embedded",
+                 server_options: dict | None = None, dtype: str = "float32", source: str = "embedded",
                  env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

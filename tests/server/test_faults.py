@@ -33,6 +33,12 @@ def _verify_steps(url) -> float:
     return metric(scrape(url), "specserve_spec_verify_steps_total")
 
 
+def _a_few_steps_in(url, steps: int = 3) -> None:
+    """Wait until the worker ran ``steps`` more verify steps (the running request is well into its generation)."""
+    start = _verify_steps(url)
+    assert wait_until(lambda: _verify_steps(url) >= start + steps, timeout=60, step=0.02)
+
+
 def assert_freed_within_one_step(url, steps_at_close: float) -> None:
     """The client just went away: its slot is free before the worker starts another step for it."""
     t0 = time.monotonic()
@@ -53,7 +59,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         for _ in range(3):
             next(lines)
         assert wait_until(lambda: _running(server.url) == 1)
-        time.sleep(0.5)  # a few steps into its generation
+        _a_few_steps_in(server.url)
     # the client has gone: within a step the worker drops the sequence and its KV slot
     assert_freed_within_one_step(server.url, _verify_steps(server.url))
     s = scrape(server.url)
@@ -75,7 +81,7 @@ def test_disconnect_non_streaming_aborts(server):
                      + f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
                      + body)
         assert wait_until(lambda: _running(server.url) == 1)
-        time.sleep(0.5)  # a few steps into its generation
+        _a_few_steps_in(server.url)
     finally:
         sock.close()  # the client gives up waiting for the JSON reply
     assert_freed_within_one_step(server.url, _verify_steps(server.url))
