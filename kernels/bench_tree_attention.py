@@ -27,7 +27,7 @@ BATCH_PREFIX, CHUNK = 1024, 512
 
 
 def random_tree_mask(T: int, seed: int):
-    from .tree_attention import ancestor_bitmask
+    from .tree_mask import ancestor_bitmask
 
     rng = random.Random(seed)
     return ancestor_bitmask([-1] + [rng.randrange(i) for i in range(1, T)])
@@ -44,7 +44,9 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from .tree_attention import tree_attention, tree_attention_ref, tree_mask_to_bool
+    from .tree_attention import tree_attention
+    from .tree_attention_reference import tree_attention_ref
+    from .tree_mask import tree_mask_to_bool
 
     dtype = getattr(torch, args.dtype)
     elt = torch.finfo(dtype).bits // 8
@@ -87,7 +89,8 @@ def bench_batched(dtype: torch.dtype) -> None:
     """One launch over B sequences vs B single-sequence launches (what the engine did per layer before)."""
     from triton.testing import do_bench
 
-    from .tree_attention import tree_attention, tree_attention_batched, tree_attention_batched_ref
+    from .tree_attention import tree_attention, tree_attention_batched
+    from .tree_attention_reference import tree_attention_batched_ref
 
     elt = torch.finfo(dtype).bits // 8
     print(f"\nbatched: B sequences, each a T-row tree after {BATCH_PREFIX} cached rows in its own slot; "

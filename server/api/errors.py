@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.protocol import OWN_ERROR_TYPES
+from server.api.validation import OWN_ERROR_TYPES
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,4 @@
-"""OpenAI request shapes and the models list (pydantic v2), and the mapping from a request to internal sampling
-parameters.
+"""OpenAI request shapes (pydantic v2) and the mapping from a request to internal sampling parameters.
 
 Requests are validated strictly: numbers are never coerced from strings or booleans, floats must be finite, and no
 string may contain NUL or a lone surrogate (neither survives tokenization). A parameter the server cannot honour
@@ -10,21 +9,22 @@ sampling knob means "the default", which is how the OpenAI API documents them.
 Every validation error raised here carries the offending field in its location, so the HTTP layer can report it as
 the OpenAI ``param``. Our own errors use two pydantic error types, ``unsupported_parameter`` and ``invalid_value``,
 whose messages are complete sentences.
+
+The chat turns a request carries are in server.api.chat_messages, the strict base model, the error types and the
+string check in server.api.validation, the response of /v1/models in server.api.responses.
 """
 from __future__ import annotations
 
-import json
 import re
-import time
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable
 
-from pydantic import (StrictBool, AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_validator)
-from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+from pydantic import StrictBool, AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
+from server.api.chat_messages import ChatMessage
 from server.api.structured import (FieldError, ToolChoice, parse_function_call, parse_functions,
                                    parse_response_format, parse_tool_choice, parse_tools)
 from server.api.tools import ToolPlan, render_messages
+from server.api.validation import SafeStr, _clean_text, _field_error, _invalid, _Request, _unsupported
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -39,36 +39,6 @@ MAX_COMPLETION_LOGPROBS = 5  # completions `logprobs`, OpenAI's limit
 # much further float32 breaks down (5e-324 is 0 there: a division by zero, infinite logits).
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")  # a canonical decimal id, at most 10 digits (int32)
-
-UNSUPPORTED = "unsupported_parameter"
-INVALID = "invalid_value"
-OWN_ERROR_TYPES = frozenset({UNSUPPORTED, INVALID})
-
-
-def _unsupported(field: str, why: str) -> PydanticCustomError:
-    return PydanticCustomError(UNSUPPORTED, f"Unsupported value for `{field}`: {why}.")
-
-
-def _invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError(INVALID, message)
-
-
-def _field_error(field: str, message: str, value: Any) -> ValidationError:
-    """An `invalid_value` error located at `field`, for checks made after every field is validated (a model
-    validator's own errors have no location)."""
-    return ValidationError.from_exception_data(
-        "request", [InitErrorDetails(type=_invalid(message), loc=(field,), input=value)])
-
-
-def _clean_text(value: str, what: str = "Strings") -> str:
-    if "\x00" in value:
-        raise _invalid(f"{what} must not contain NUL characters.")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate, e.g. from a JSON "\ud800" escape
-        raise _invalid(f"{what} must be valid Unicode (no lone surrogates).") from None
-    return value
-
 
 # Fields accepted only at a value that leaves the result unchanged: name -> (is that value, why not otherwise).
 _NEUTRAL: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -89,15 +59,9 @@ def _structured(v: Any, info: ValidationInfo) -> Any:
         raise _invalid(str(e)) from None
 
 
-SafeStr = Annotated[str, AfterValidator(_clean_text)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS), AfterValidator(_clean_text)]
 TokenLimit = Annotated[int, Field(ge=0, le=INT32_MAX)]  # 0 only with completions' echo: _SamplingRequest._limits
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-
-
-# -- requests ----------------------------------------------------------------------------------------------------
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -107,89 +71,6 @@ class StreamOptions(_Request):
     @classmethod
     def _null_is_false(cls, v: Any) -> Any:
         return False if v is None else v
-
-
-def _text_content(v: Any) -> str:
-    """Message content as one string: a string, or a list of text parts joined with a newline."""
-    if isinstance(v, str):
-        return _clean_text(v, "Message content")
-    if not isinstance(v, list):
-        raise _invalid("Message content must be a string or a list of text parts.")
-    texts = []
-    for i, part in enumerate(v):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = repr(part.get("type"))[:40] if isinstance(part, dict) else type(part).__name__
-            raise PydanticCustomError(UNSUPPORTED, f"Content part {i} has type {kind}: only 'text' parts are "
-                                      "supported by this server.")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise _invalid(f"Content part {i} needs a string `text`.")
-        texts.append(_clean_text(text, "Message content"))
-    return "\n".join(texts)
-
-
-def _arguments_text(v: Any) -> Any:
-    """A call's `arguments`: a JSON string (OpenAI's shape); an object is taken as its JSON text."""
-    if isinstance(v, dict):
-        return json.dumps(v, ensure_ascii=False)
-    return v
-
-
-class FunctionCall(_Request):
-    name: SafeStr
-    arguments: SafeStr
-
-    @field_validator("arguments", mode="before")
-    @classmethod
-    def _object_as_text(cls, v: Any) -> Any:
-        return _arguments_text(v)
-
-
-class ToolCall(_Request):
-    """An earlier assistant turn's call, as the client sends it back."""
-
-    id: SafeStr
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Request):
-    """One turn. ``content`` may arrive as a string or a list of text parts; it is stored as one string (parts
-    joined with a newline) because the chat template only takes text. An assistant turn may carry ``tool_calls``
-    (or a legacy ``function_call``) with null content; a ``tool`` turn answers one call (``tool_call_id``), a legacy
-    ``function`` turn one function (``name``); ``developer`` is a system turn."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | None = Field(default=None, validate_default=True)
-    name: SafeStr | None = None
-    tool_calls: list[ToolCall] | None = None
-    function_call: FunctionCall | None = None
-    tool_call_id: SafeStr | None = Field(default=None, validate_default=True)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content_text(cls, v: Any, info: ValidationInfo) -> str | None:
-        if v is None:
-            if info.data.get("role", "assistant") == "assistant":  # an assistant turn that only calls tools
-                return None
-            raise PydanticCustomError("missing", "Field required")
-        return _text_content(v)
-
-    @field_validator("tool_call_id")
-    @classmethod
-    def _tool_turn_needs_id(cls, v: str | None, info: ValidationInfo) -> str | None:
-        if v is None and info.data.get("role") == "tool":
-            raise _invalid("A `tool` message needs the `tool_call_id` of the call it answers.")
-        return v
-
-    @model_validator(mode="after")
-    def _calls_from_the_assistant(self) -> "ChatMessage":
-        if (self.tool_calls or self.function_call is not None) and self.role != "assistant":
-            raise _field_error("tool_calls" if self.tool_calls else "function_call",
-                               "Only an `assistant` message may carry `tool_calls` or `function_call`.", None)
-        if self.role == "function" and self.name is None:
-            raise _field_error("name", "A `function` message needs the `name` of the function.", None)
-        return self
 
 
 class _SamplingRequest(_Request):
@@ -478,18 +359,3 @@ def sampling_from(req: _SamplingRequest) -> dict[str, Any]:
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
     }
-
-
-# -- responses ---------------------------------------------------------------------------------------------------
-# Completions and chunks are built as plain dicts in routes.py (the e2e tests parse them with the openai client);
-# only /v1/models uses a response model, which also documents it in the OpenAPI schema.
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "specserve"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

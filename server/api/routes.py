@@ -26,7 +26,8 @@ from server.api.auth import caller_partition
 from server.api.errors import APIError
 from server.api.generation import Choices, TokenLogprob, cache_namespace
 from server.api.logprobs import chat_logprobs, completion_logprobs
-from server.api.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from)
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_from
+from server.api.responses import ModelCard, ModelList
 from server.api.structured import RESPONSE_SCHEMA, FieldError, check_schema, compile_checked, response_format_grammar
 from server.api.tool_grammar import tool_grammar_lark
 from server.api.tool_parser import ToolReply

@@ -101,7 +101,7 @@ def render_call(name: str, arguments: str) -> str:
 
 def render_messages(messages: list, plan: ToolPlan | None, knows_tools: bool) -> tuple[list[dict], list | None]:
     """(messages for ``apply_chat_template``, its ``tools`` argument or None) for a chat request's messages
-    (``protocol.ChatMessage``). ``developer`` is a system message; the rest as the module docstring says."""
+    (``chat_messages.ChatMessage``). ``developer`` is a system message; the rest as the module docstring says."""
     tools = plan.tools if plan is not None and plan.active else []
     out: list[dict] = []
     for msg in messages:

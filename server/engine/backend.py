@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
 from kernels.kv_compact import kv_compact, kv_compact_ref
-from kernels.tree_attention import tree_attention, tree_attention_batched, tree_mask_to_bool
+from kernels.tree_attention import tree_attention, tree_attention_batched
+from kernels.tree_mask import tree_mask_to_bool
 
 KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a decode step and a draft row share shapes
 # At most this many leading chain rows in decode form (all of them: a tree has at most 64 rows). With the bmm form

@@ -25,7 +25,7 @@ from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
 from kernels import cpu as cpu_kernels
 from kernels.kv_compact import kv_compact_batched
-from kernels.tree_attention import ancestor_bitmask
+from kernels.tree_mask import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import compact_kv
@@ -43,13 +43,10 @@ from server.engine.target import Target
 
 class Engine:
     def __init__(self, cfg: EngineConfig, drafter: Drafter | None = None, target: Target | None = None):
-        """An engine on ``target`` (loaded by ``server.engine.load_engine`` / ``load_target``), drafting with
-        ``drafter`` (default: the config's)."""
+        """An engine on ``target`` (``server.engine.load_target``), drafting with ``drafter`` (default: the config's)."""
         if target is None:
             raise TypeError("Engine needs a loaded target: server.engine.load_engine(cfg) loads one")
-        self.cfg = cfg
-        self.target = target
-        self.model = target.model
+        self.cfg, self.target, self.model = cfg, target, target.model
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype
         # the quantized CPU target in float32 (Llama's layer): every row through the row-invariant C++ attention, K/V kept in float16

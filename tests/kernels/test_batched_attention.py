@@ -4,12 +4,9 @@ import random
 import pytest
 import torch
 
-from kernels.tree_attention import (
-    ancestor_bitmask,
-    tree_attention,
-    tree_attention_batched,
-    tree_attention_batched_ref,
-)
+from kernels.tree_attention import tree_attention, tree_attention_batched
+from kernels.tree_attention_reference import tree_attention_batched_ref
+from kernels.tree_mask import ancestor_bitmask
 
 H, H_KV = 4, 2  # GQA group of 2
 NUM_SLOTS, S = 6, 160
@@ -162,5 +159,5 @@ def test_device_matches_how_the_kernel_was_built(device):
 
     from triton.runtime.interpreter import InterpretedFunction
 
-    ta = importlib.import_module("kernels.tree_attention")  # the package re-exports a function of that name
+    ta = importlib.import_module("kernels.tree_attention_kernels")
     assert isinstance(ta._tree_attention_batched_kernel, InterpretedFunction) == (device == "cpu")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from kernels.tree_attention import ancestor_bitmask
+from kernels.tree_mask import ancestor_bitmask
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason=f"CPU kernels unavailable here: {cpu.unavailable_reason()}")
 L = torch.long

@@ -7,7 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from server.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, sampling_from
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, sampling_from
+from server.api.responses import ModelCard, ModelList
 
 USER = [{"role": "user", "content": "hi"}]
 

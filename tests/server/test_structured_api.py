@@ -168,7 +168,7 @@ def test_stream_deltas_merge_into_the_message():
 
 # -- rendering ---------------------------------------------------------------------------------------------------
 def messages(*items):
-    from server.api.protocol import ChatMessage
+    from server.api.chat_messages import ChatMessage
 
     return [ChatMessage.model_validate(m) for m in items]
 
