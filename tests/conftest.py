@@ -190,3 +190,17 @@ def random_answers(tmp_path, target32):
     path = tmp_path / "responses.pt"
     torch.save({"model_id": target32.model_id, "complete": True, "items": items}, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def open_server(tmp_path_factory, target32):
+    """The session's server without an API key (clients present any key, each key its own prefix-cache namespace),
+    for the prefix-cache, benchmark and deployment tests. Its draft budget is ``fixed``: the goodput budget drafts
+    only where this machine's measured step costs say it pays, and where it does not, no draft counter the
+    deployment tests read would ever get a sample."""
+    from tests.server.conftest import ServerProcess
+
+    s = ServerProcess(tmp_path_factory.mktemp("open-srv"), api_key=None,
+                      server_options={"draft_budget": "fixed"}).wait_ready()
+    yield s
+    s.stop()

@@ -93,8 +93,10 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, target32):
-    # target32: makes sure the GGUF has been converted once before servers start
-    s = ServerProcess(tmp_path_factory.mktemp("srv")).wait_ready()
+    """The server most API tests share (one process for the session): ngram drafting, an API key, 4 slots of 1024
+    tokens (room for the tools prompt), float32 (speculative steps and plain decoding give the same logprobs to
+    ~1e-6). target32: makes sure the GGUF has been converted once before servers start."""
+    s = ServerProcess(tmp_path_factory.mktemp("srv"), max_seq_len=1024).wait_ready()
     yield s
     s.stop()
 

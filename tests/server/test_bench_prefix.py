@@ -266,11 +266,9 @@ def test_shared_prefix_run_compares_one_salt_with_unique_salts(scripted, questio
 
 # -- against a real server ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def prefix_server(tmp_path_factory, target32):
-    s = ServerProcess(tmp_path_factory.mktemp("bench-prefix-srv"), drafter="none", num_slots=2,
-                      max_seq_len=512).wait_ready()
-    yield s
-    s.stop()
+def prefix_server(open_server):
+    """The session's server without an API key (tests/conftest.py)."""
+    return open_server
 
 
 def _bench(server: ServerProcess, out, *extra: str) -> int:

@@ -17,11 +17,9 @@ MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
-def bench_server(tmp_path_factory, target32):
-    # plain decoding, so every streamed chunk carries exactly the tokens of one step
-    s = ServerProcess(tmp_path_factory.mktemp("bench-srv"), drafter="none", num_slots=2, max_seq_len=256).wait_ready()
-    yield s
-    s.stop()
+def bench_server(open_server):
+    """The session's server without an API key (tests/conftest.py): the bench's key is accepted as any key is."""
+    return open_server
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +72,10 @@ def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out), "--record", str(tmp_path)) == 0
     printed, log = capsys.readouterr()
     [rec] = records.load(tmp_path)  # the results record names the server's drafter (from its /metrics)
-    assert rec["kind"] == "serve" and rec["figures"]["drafter"] == "none"
+    assert rec["kind"] == "serve" and rec["figures"]["drafter"] == "ngram"
     assert "requests" not in rec["figures"]["levels"][0]
     section, title, lines = render_record(rec)
-    assert section == "Serving" and "drafter none" in title and [x.split(" | ")[0] for x in lines[2:]] == ["| 1", "| 2"]
+    assert section == "Serving" and "drafter ngram" in title and [x.split(" | ")[0] for x in lines[2:]] == ["| 1", "| 2"]
     rep = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON report"))
     assert rep["concurrency"] == [1, 2] and rep["errors"] == 0 and rep["max_tokens"] == MAX_TOKENS
     assert rep["workload"] == "prompts"

@@ -492,12 +492,9 @@ def test_a_worker_sending_the_wrong_number_of_logprobs_is_a_clean_500(tokenizer,
 
 # -- real servers --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, target32):
-    """A small float32 server (speculative steps and plain decoding give the same logprobs to ~1e-6)."""
-    s = ServerProcess(tmp_path_factory.mktemp("logprobs"), num_slots=2, max_seq_len=512, dtype="float32",
-                      max_waiting=4).wait_ready()
-    yield s
-    s.stop()
+def live(server):
+    """The session's float32 server (speculative steps and plain decoding give the same logprobs to ~1e-6)."""
+    return server
 
 
 @pytest.fixture(scope="module")

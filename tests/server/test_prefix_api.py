@@ -23,7 +23,7 @@ from server.api.generation import cache_namespace, choice_seed, combine_usage
 from server.config import config_from_dict
 from server.metrics import Metrics
 from server.worker import messages as m
-from tests.server.conftest import ServerProcess, metric, scrape, wait_balanced
+from tests.server.conftest import metric, scrape, wait_balanced
 
 KEY = "sk-client-one"
 MODEL = "fake-model"
@@ -491,13 +491,8 @@ def test_e2e_disconnect_aborts_every_choice(server):
     assert wait_balanced(server.url)
 
 
-# The prefix cache itself (the worker's side): a repeated prompt reuses the cached rows within its namespace only.
-@pytest.fixture(scope="module")
-def open_server(tmp_path_factory, target32):
-    """A server without an API key: clients present any key, and each key is its own namespace."""
-    s = ServerProcess(tmp_path_factory.mktemp("prefix-srv"), api_key=None).wait_ready()
-    yield s
-    s.stop()
+# The prefix cache itself (the worker's side): a repeated prompt reuses the cached rows within its namespace only,
+# on the session's server without an API key (`open_server`, tests/conftest.py).
 
 
 def _cached(server_url: str, key: str, messages, **kw) -> tuple[int, int]:

@@ -25,7 +25,6 @@ from server.api.structured import ResponseFormat, ToolChoice, ToolSpec
 from server.api.tool_grammar import tool_grammar_lark
 from server.api.tool_parser import ToolCallParser, ToolReply
 from server.api.tools import END, TRIGGER, ToolPlan, render_messages, tools_prompt
-from tests.server.conftest import ServerProcess
 from tests.server.test_logprobs_api import ScriptWorker, call, make_client
 
 ADD = ToolSpec("add", "Add two integers.", {"type": "object", "properties": {"a": {"type": "integer"},
@@ -473,12 +472,9 @@ SERVED = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory, target32):
-    """A small float32 server with room for the tools prompt."""
-    s = ServerProcess(tmp_path_factory.mktemp("structured"), num_slots=2, max_seq_len=1024, dtype="float32",
-                      max_waiting=4).wait_ready()
-    yield s
-    s.stop()
+def live(server):
+    """The session's float32 server, with room for the tools prompt."""
+    return server
 
 
 @pytest.fixture(scope="module")
