@@ -117,7 +117,7 @@ def falcon_examples(model, data, opts: AcceptTrainOptions, lm_head: torch.Tensor
     pass of CSGD training with every token glanced). Each drafted token's state is the feature row it was drafted
     from."""
     from drafters.falcon.model import block_ids
-    from training.falcon import two_stream_mask as falcon_two_stream
+    from training.falcon_loss import two_stream_mask as falcon_two_stream
 
     dev, k = model.fuse.device, model.c.k
     g = torch.Generator().manual_seed(opts.seed)
@@ -297,7 +297,7 @@ def run_train_accept_head(cfg, drafter: str = "glide", out: Path | None = None, 
     else:
         from drafters.falcon.drafter import load_falcon
         from drafters.falcon.model import default_checkpoint as drafter_default
-        from training.falcon import cached_features, features_tag
+        from training.falcon_features import cached_features, features_tag
 
         model = load_falcon(target, checkpoint, weights="dense")
         feat_file = wd / f"features-{features_tag(items, 0, opts.max_len, target.dtype)}.pt"

@@ -31,7 +31,8 @@ def cmd_train_glide(a: argparse.Namespace) -> int:
 
 
 def cmd_train_falcon(a: argparse.Namespace) -> int:
-    from training.falcon import FalconTrainOptions, run_train_falcon
+    from training.falcon import run_train_falcon
+    from training.falcon_loss import FalconTrainOptions
 
     opts = FalconTrainOptions(steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr, max_len=a.max_len, seed=a.seed,
                               csgd=not a.teacher_forcing, glance=a.glance, w_dist=a.w_dist,
@@ -131,7 +132,8 @@ def cmd_train_prompts(a: argparse.Namespace) -> int:
 
     from server.engine import load_target
     from training.paths import synth_dir
-    from training.synth import SynthSettings, synthesize_prompts
+    from training.synth import synthesize_prompts
+    from training.synth_jobs import SynthSettings
 
     settings = SynthSettings(count=a.count, seed=a.seed, max_prompt_tokens=a.max_prompt_tokens,
                              max_answer_tokens=a.max_answer_tokens, temperature=a.temperature, top_p=a.top_p,

@@ -17,148 +17,33 @@ Output (``torch.save``): {"model_id", "max_new_tokens", "temperature", "temperat
 position in the prompt list); ``response_ids`` end with the stop token when the answer finished. The generated answers
 come first, in prompt order; then the answers the target already wrote inside synthesized multi-turn prompts (one
 item per such turn, marked with ``turn``: ``conversation_answers``). A data card (JSON and Markdown) sits
-next to it. ``generate_responses`` keeps the Hugging Face ``generate`` path as a reference.
+next to it (training/data_card.py). The engine runs the jobs through training/batched_generator.py;
+``generate_responses`` (training/hf_reference.py) keeps the Hugging Face ``generate`` path as a reference.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import shlex
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
 from server.tokenization import encode_chat, encode_record, read_prompts, stop_token_ids
+from training.batched_generator import BatchedGenerator, GenRequest, GenResult, single
 from training.common import stable_int, stable_unit
+from training.data_card import write_data_card
 from training.paths import answer_set_names, answer_set_path, answers_path, save_atomic, shard_dir, synth_dir
 
 DEFAULT_TEMPERATURES = (0.7, 1.0)
-LENGTH_BINS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def load_responses(path: Path) -> dict:
     return torch.load(path, weights_only=True)
-
-
-# -- batched generation on the engine -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GenRequest:
-    prompt_ids: list[int]
-    sampling: Any              # core.sampling.SamplingParams
-    max_new_tokens: int
-    stop_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class GenResult:
-    token_ids: list[int]       # generated tokens, the stop token included when the sequence stopped
-    finish_reason: str         # "stop", "length", or "refused" (the engine could not take the prompt)
-
-
-# A job asks for one or more generations in turn (``yield request`` returns its result) and returns its record.
-Job = Generator[GenRequest, GenResult, Any]
-
-
-def single(request: GenRequest) -> Job:
-    """A job of one generation: returns its GenResult."""
-    return (yield request)
-
-
-class BatchedGenerator:
-    """Runs many jobs through one engine, one batched target forward per step.
-
-    The loop is the server scheduler's (server/worker/scheduler.py) without its queues and budget: free KV slots take
-    the next requests, then one ``Engine.run`` decodes every sequence whose prompt is cached and prefills prompt chunks
-    of the others in the rows left under ``step_tokens``. Plain decoding: no drafter is asked.
-    """
-
-    def __init__(self, cfg, target, slots: int, max_seq_len: int, step_tokens: int = 512):
-        from server.config import DrafterConfig
-        from server.engine import MIN_PREFILL_CHUNK, Engine
-
-        if slots < 1:
-            raise ValueError("the batch needs at least one sequence")
-        max_seq_len = min(max_seq_len, target.max_positions)
-        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, num_slots=slots, max_seq_len=max_seq_len),
-                                  drafter=DrafterConfig(name="none"))
-        self.engine = Engine(cfg, target=target)
-        self.step_tokens = max(step_tokens, slots + MIN_PREFILL_CHUNK)
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.engine.max_seq_len
-
-    def run(self, jobs: Iterable[Job], on_step: Callable[[int, int], None] | None = None,
-            on_done: Callable[[int, Any], None] | None = None) -> list:
-        """Every job's return value, in job order. ``on_step(tokens, jobs_done)`` follows each batched step;
-        ``on_done(job index, return value)`` is called as each job returns, so a caller can stream many shards'
-        jobs through one run and keep the batch full across shard boundaries."""
-        from server.engine import RequestError
-
-        pending, ready, running, results = enumerate(jobs), deque(), [], {}
-        exhausted = False
-
-        def advance(jid: int, job: Job, result: GenResult | None) -> None:
-            try:
-                ready.append((jid, job, next(job) if result is None else job.send(result)))
-            except StopIteration as stop:
-                results[jid] = stop.value
-                if on_done is not None:
-                    on_done(jid, stop.value)
-
-        while True:
-            done_before = len(results)
-            while self.engine.slots_available:
-                if not ready:
-                    nxt = None if exhausted else next(pending, None)
-                    if nxt is None:
-                        exhausted = True
-                        break
-                    advance(*nxt, None)
-                    continue
-                jid, job, req = ready.popleft()
-                try:
-                    seq = self.engine.add(list(req.prompt_ids), req.sampling, req.max_new_tokens, req.stop_ids)
-                except RequestError:
-                    advance(jid, job, GenResult([], "refused"))
-                    continue
-                running.append((jid, job, seq))
-            if not running:
-                if on_step and len(results) > done_before:
-                    on_step(0, len(results) - done_before)
-                if exhausted and not ready:
-                    break
-                continue
-            emitted = self._step([seq for _, _, seq in running])
-            still = []
-            for jid, job, seq in running:
-                if seq.finish_reason is None:
-                    still.append((jid, job, seq))
-                    continue
-                self.engine.release(seq)
-                advance(jid, job, GenResult(list(seq.output_ids), seq.finish_reason))
-            running = still
-            if on_step:
-                on_step(emitted, len(results) - done_before)
-        return [results[i] for i in range(len(results))]
-
-    def _step(self, seqs: list) -> int:
-        """One batched forward: decode steps for the cached sequences, prompt chunks for the rest (sized as the
-        server's scheduler sizes them) -> tokens emitted."""
-        from server.engine import StepPlan, prefill_chunks
-
-        decoding = [s for s in seqs if s.prefilled]
-        chunks = prefill_chunks(seqs, self.step_tokens - len(decoding))
-        result = self.engine.run(StepPlan(decoding, chunks, {s.seq_id: 1 for s in decoding}))
-        for e in result.failed.values():  # offline: a sequence's fault ends the run, as it was raised
-            raise e
-        return sum(len(t) for t in result.emitted.values())
 
 
 # -- answers at scale ---------------------------------------------------------------------------------------------
@@ -377,143 +262,6 @@ def prompt_records(sources: str | None, synth_train: Path | None, log=print) -> 
         else:
             records += [dict(r, source=r.get("source", Path(name).stem)) for r in read_prompts(name)]
     return records
-
-
-# -- the data card --------------------------------------------------------------------------------------------------
-def length_histogram(lengths: list[int], bins: tuple[int, ...] = LENGTH_BINS) -> dict[str, int]:
-    """{"<16": n, "16-31": n, ..., ">=1024": n}: answer lengths in tokens."""
-    edges = [0, *bins]
-    hist = {}
-    for lo, hi in zip(edges, edges[1:]):
-        hist[f"<{hi}" if lo == 0 else f"{lo}-{hi - 1}"] = sum(lo <= n < hi for n in lengths)
-    hist[f">={bins[-1]}"] = sum(n >= bins[-1] for n in lengths)
-    return hist
-
-
-def temperature_counts(items: list[dict]) -> dict[str, int]:
-    """Answers per sampling temperature ("0" = greedy), as the data card and the checkpoints' cards report them."""
-    return {f"{t:g}": n for t, n in sorted(Counter(float(it.get("temperature", 0.0)) for it in items).items())}
-
-
-def data_card(data: dict, records: list[dict], command: str | None, seconds: float) -> dict:
-    items = data["items"]
-    lengths = [len(it["response_ids"]) for it in items]
-    by_cat: dict[str, dict[str, int]] = {}
-    for it in items:
-        c = by_cat.setdefault(it.get("category") or it["source"] or "unknown", {"answers": 0, "answer_tokens": 0})
-        c["answers"] += 1
-        c["answer_tokens"] += len(it["response_ids"])
-    turns = Counter(sum(m["role"] == "user" for m in r.get("messages", [])) or 1 for r in records)
-    return {
-        "model_id": data["model_id"], "command": command, "prompts": len(records), "answers": len(items),
-        "answer_tokens": sum(lengths), "prompt_tokens": sum(len(it["prompt_ids"]) for it in items),
-        "max_new_tokens": data["max_new_tokens"], "seed": data["seed"],
-        "from_conversations": sum("turn" in it for it in items),
-        "finished": sum(it["finish_reason"] == "stop" for it in items),
-        "cut_at_max_new_tokens": sum(it["finish_reason"] == "length" for it in items),
-        "temperatures": temperature_counts(items),
-        "user_turns": {str(k): v for k, v in sorted(turns.items())},
-        "by_category": dict(sorted(by_cat.items())),
-        "answer_length_histogram": length_histogram(lengths),
-        "refused_prompts": data.get("refused", 0),
-        "targets": data.get("targets", {}),
-        "generation_seconds": data.get("generation_seconds"),
-        "answer_tokens_per_s": round(sum(lengths) / data["generation_seconds"], 1)
-        if data.get("generation_seconds") else None,
-        "seconds_this_run": round(seconds, 1),
-    }
-
-
-def card_markdown(card: dict) -> str:
-    lines = [f"# Self-distilled answers of {card['model_id']}", "",
-             f"- command: `{card['command']}`" if card["command"] else "- command: (library call)",
-             f"- prompts: {card['prompts']}, answers: {card['answers']}, answer tokens: {card['answer_tokens']}, "
-             f"prompt tokens: {card['prompt_tokens']}",
-             f"- answers taken from multi-turn prompts (the target's first answer, no generation): "
-             f"{card['from_conversations']}",
-             f"- finished with a stop token: {card['finished']}; cut at {card['max_new_tokens']} new tokens: "
-             f"{card['cut_at_max_new_tokens']}",
-             f"- temperatures (0 = greedy): {card['temperatures']}, seed {card['seed']}",
-             f"- user turns per prompt: {card['user_turns']}; prompts over the context left out: "
-             f"{card['refused_prompts']}",
-             f"- answered by (dtype/quantization: generated answers): {card.get('targets') or 'not recorded'}",
-             f"- generation: {card['generation_seconds']} s over all shards, {card['answer_tokens_per_s']} answer "
-             "tokens/s", "",
-             "| category | answers | answer tokens |", "| --- | ---: | ---: |"]
-    lines += [f"| {c} | {v['answers']} | {v['answer_tokens']} |" for c, v in card["by_category"].items()]
-    lines += ["", "| answer length (tokens) | answers |", "| --- | ---: |"]
-    lines += [f"| {k} | {v} |" for k, v in card["answer_length_histogram"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_data_card(out: Path, data: dict, records: list[dict], command: str | None, seconds: float) -> dict:
-    card = data_card(data, records, command, seconds)
-    out.with_suffix(".card.json").write_text(json.dumps(card, indent=1) + "\n")
-    out.with_suffix(".card.md").write_text(card_markdown(card))
-    return card
-
-
-def format_command(argv: list[str]) -> str:
-    return shlex.join(["specserve", *argv])
-
-
-# -- the Hugging Face reference path ----------------------------------------------------------------------------
-@torch.inference_mode()
-def generate_responses(hf_dir: Path, model_id: str, records: list[dict], out: Path, max_new_tokens: int = 256,
-                       batch_size: int = 32, temperature: float = 0.0, seed: int = 0, dtype=torch.bfloat16,
-                       device: str = "cpu", progress: bool = True) -> dict:
-    """Answer every record with Hugging Face ``generate`` (greedy when temperature is 0); resumable, returns the data
-    dict. The reference the engine path is checked against; ``answer_records`` is the one that scales."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = Path(out)
-    data = {"model_id": model_id, "max_new_tokens": max_new_tokens, "temperature": temperature, "items": []}
-    if out.exists():
-        data = load_responses(out)
-        if data["model_id"] != model_id:
-            raise ValueError(f"{out} holds data for {data['model_id']!r}, not {model_id!r}; pass another --data path")
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
-    stops = set(stop_token_ids(tok, tuple(model.generation_config.eos_token_id
-                                          if isinstance(model.generation_config.eos_token_id, list)
-                                          else [model.generation_config.eos_token_id])))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(stops)
-    prompts = [(encode_record(tok, r), r.get("source", "")) for r in records]
-    have = {it["index"] for it in data["items"]}
-    todo = [i for i in range(len(prompts)) if i not in have]
-    # Similar lengths share a batch (less padding).
-    order = sorted(todo, key=lambda i: len(prompts[i][0]))
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    torch.manual_seed(seed)
-    t0, n_tok = time.perf_counter(), 0
-    bar = tqdm(total=len(todo), desc="target answers", unit="prompt", disable=not progress)
-    for batch in batches:
-        width = max(len(prompts[i][0]) for i in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, i in enumerate(batch):  # left padding: every prompt ends at the same column
-            p = prompts[i][0]
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                             top_p=None, top_k=None, pad_token_id=pad, eos_token_id=sorted(stops))
-        for row, i in enumerate(batch):
-            resp = []
-            for t in gen[row, width:].tolist():
-                resp.append(t)
-                if t in stops:
-                    break
-            data["items"].append({"prompt_ids": prompts[i][0], "response_ids": resp, "source": prompts[i][1],
-                                  "index": i})
-            n_tok += len(resp)
-        torch.save(data, out.with_suffix(".tmp"))
-        out.with_suffix(".tmp").replace(out)
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{n_tok / (time.perf_counter() - t0):.0f}")
-    bar.close()
-    data["items"].sort(key=lambda it: it["index"])
-    return data
 
 
 def ensure_data(cfg, target, data_path: Path | None, max_new_tokens: int, batch_size: int, limit: int | None,

@@ -209,7 +209,7 @@ def run_train_glide(cfg, out: Path | None = None, vanilla: bool = False, data_pa
     ``init``: start from that checkpoint (its shape and kept vocabulary; ``model_overrides`` and ``vanilla`` must not
     be given) with a fresh optimizer; its agreement on this run's validation split is the step-0 entry."""
     from drafters.glide.model import GlideModel, check_fits, default_checkpoint
-    from training.data import temperature_counts
+    from training.data_card import temperature_counts
 
     if init and (model_overrides or vanilla):  # before any data or model is loaded: an argument error
         raise ValueError("--init takes the checkpoint's shape: no shape options or --vanilla with it")

@@ -95,7 +95,7 @@ def package_dir(module: str) -> Path:
 def people_records(texts: Iterable[tuple[str, str]], overlaps: Callable[[str], bool], seed: int = SEED) -> list[dict]:
     """(source name, text) pairs -> chat records of source ``people``: whitespace tidied, empty and duplicate texts
     (by normalised text) and benchmark overlaps left out, in a seeded order."""
-    from training.synth import normalize
+    from training.prompt_filters import normalize
 
     seen, out = set(), []
     for name, text in texts:
@@ -109,7 +109,7 @@ def people_records(texts: Iterable[tuple[str, str]], overlaps: Callable[[str], b
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.synth import BenchmarkGuard, benchmark_texts
+    from training.prompt_dedup import BenchmarkGuard, benchmark_texts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)

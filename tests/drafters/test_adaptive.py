@@ -157,7 +157,7 @@ def test_falcon_adaptive_caps_its_forwards(target32):
 @pytest.mark.parametrize("drafter", ["glide", "falcon"])
 def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tmp_path, drafter):
     from training.accept_head import AcceptTrainOptions, run_train_accept_head
-    from training.data import generate_responses
+    from training.hf_reference import generate_responses
     from training.prompts import training_records
 
     recs = training_records(humaneval=False)[::300][:3]

@@ -262,7 +262,7 @@ def test_missing_or_mismatched_checkpoint_fails_clearly(target32, random_glide, 
 # -- training ---------------------------------------------------------------------------------------------------
 def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, tmp_path):
     from training.common import vocab_by_frequency
-    from training.data import generate_responses
+    from training.hf_reference import generate_responses
     from training.glide import TrainOptions, build_model, evaluate, loss_tables, train
     from training.prompts import training_records
     from training.teacher import teacher_pass

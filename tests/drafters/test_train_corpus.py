@@ -12,7 +12,8 @@ import torch
 from training import corpus
 from training.paths import answers_path, shard_dir, synth_dir
 from training.data import AnswerSettings, answer_records, load_responses, prompt_records
-from training.synth import SynthSettings, synthesize_prompts
+from training.synth import synthesize_prompts
+from training.synth_jobs import SynthSettings
 
 SYNTH = SynthSettings(count=6, max_generated=6, shard_size=3, max_prompt_tokens=24, max_answer_tokens=16,
                       multi_turn_share=0.34, seed=0)
@@ -191,7 +192,7 @@ def test_an_answer_set_of_its_own_is_saved_restored_and_read_after_the_main_set(
 
 def test_prompts_written_by_people_are_tidied_deduplicated_kept_off_the_benchmarks_and_shuffled():
     from training.people import people_records
-    from training.synth import BenchmarkGuard
+    from training.prompt_dedup import BenchmarkGuard
 
     guard = BenchmarkGuard(["Explain what a hash map is and when to use one."])
     pairs = [("a", "why  is the sky blue"), ("b", "Why is the sky blue?"), ("a", "   "),

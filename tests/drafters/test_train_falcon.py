@@ -7,9 +7,10 @@ import random
 import torch
 
 from drafters.falcon.model import FalconModel, relaxed_mask
-from training.falcon import (PROBE_STEPS, FalconTrainOptions, FeatureData, all_right_in_block, build_model,
-                             glance_rows, hash_split, loss_tables, pack_loss, packs, row_counts, sequence_loss,
-                             steps_for_seconds, teacher_features, train, two_stream_mask, with_taps)
+from training.falcon import PROBE_STEPS, build_model, hash_split, packs, steps_for_seconds, train, with_taps
+from training.falcon_features import FeatureData, teacher_features
+from training.falcon_loss import (FalconTrainOptions, all_right_in_block, glance_rows, loss_tables, pack_loss,
+                                  row_counts, sequence_loss, two_stream_mask)
 from training.glide import TrainOptions, split_rows
 
 
@@ -40,7 +41,7 @@ def _features(target32):
 
 def test_glancing_swaps_lambda_times_the_hamming_distance(target32):
     """N = round(lambda * d) guessed inputs go back to the true ones: none at lambda 0, and the loss changes with it."""
-    from training.falcon import loss_tables
+    from training.falcon_loss import loss_tables
 
     data = _features(target32)
     torch.manual_seed(0)

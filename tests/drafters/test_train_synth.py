@@ -7,11 +7,15 @@ import random
 
 import pytest
 
-from training.data import (AnswerSettings, BatchedGenerator, GenRequest, answer_records, answer_temperature,
-                           length_histogram, load_responses, prompt_records, shard_dir, single)
-from training.synth import (CATEGORIES, BenchmarkGuard, FilterConfig, NearDuplicates, Selection, SynthSettings,
-                            Templates, benchmark_texts, echoes, is_heldout, job_plan, read_jsonl, repeat_share,
-                            repeats_a_sentence, shingles, synthesize_prompts, text_reason, turn_reason, words)
+from training.batched_generator import BatchedGenerator, GenRequest, single
+from training.data import (AnswerSettings, answer_records, answer_temperature, load_responses, prompt_records,
+                           shard_dir)
+from training.data_card import length_histogram
+from training.prompt_dedup import BenchmarkGuard, NearDuplicates, benchmark_texts
+from training.prompt_filters import FilterConfig, repeat_share, repeats_a_sentence, shingles, text_reason, words
+from training.synth import is_heldout, read_jsonl, synthesize_prompts
+from training.synth_jobs import CATEGORIES, SynthSettings, Templates, job_plan
+from training.synth_selection import Selection, echoes, turn_reason
 
 
 # -- filters ------------------------------------------------------------------------------------------------------
