@@ -107,11 +107,11 @@ def test_unknown_model_is_404(server):
 
 
 def test_context_length(server):
-    long = " ".join(["word"] * 700)  # > 512 tokens
+    long = " ".join(["word"] * 1400)  # > 1024 tokens, the session server's context
     check(post(server, "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct",
                                                  "messages": [{"role": "user", "content": long}]}),
           400, "invalid_request_error", code="context_length_exceeded")
-    check(post(server, "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 600}),
+    check(post(server, "/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "hello", "max_tokens": 1100}),
           400, "invalid_request_error", param="max_tokens", code="context_length_exceeded")
 
 
