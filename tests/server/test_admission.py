@@ -9,8 +9,8 @@
 - `ignore_eos` only on a server started with `server.allow_ignore_eos`, and `n` x `max_tokens` under
   `server.max_request_tokens`.
 
-The HTTP-layer checks run the real app against the scripted worker of test_prefix_api (no model); the last test
-drives a real server with the official `openai` client.
+The HTTP-layer checks run the real app against the scripted worker of tests/server/fake_worker.py (no model); the
+last test drives a real server with the official `openai` client.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from server.api.routes import PrepPool
 from server.api.structured import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 from server.config import ConfigError, config_from_dict
 from server.metrics import Metrics
-from tests.server.test_prefix_api import KEY, MODEL, PROMPT, FakeTokenizer, FakeWorker, auth
+from tests.server.fake_worker import KEY, MODEL, PROMPT, FakeTokenizer, FakeWorker, auth
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]

@@ -6,7 +6,7 @@ import pytest
 
 from server.api.auth import ApiKeys
 from server.api.generation import cache_namespace
-from tests.server.test_prefix_api import MODEL, PROMPT, FakeWorker, make_client
+from tests.server.fake_worker import MODEL, PROMPT, FakeWorker, make_client
 
 
 def _post(c, key: str | None):

@@ -69,9 +69,9 @@ def test_concurrency_levels_and_default_request_count(capsys):
 @pytest.mark.server
 def test_sweep_reports_every_level(bench_server, prompts, tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out), "--record", str(tmp_path)) == 0
+    assert _bench(bench_server, prompts, "--concurrency", "1,2", "--json", str(out), "--record", str(tmp_path / "rec")) == 0
     printed, log = capsys.readouterr()
-    [rec] = records.load(tmp_path)  # the results record names the server's drafter (from its /metrics)
+    [rec] = records.load(tmp_path / "rec")  # the results record names the server's drafter (from its /metrics)
     assert rec["kind"] == "serve" and rec["figures"]["drafter"] == "ngram"
     assert "requests" not in rec["figures"]["levels"][0]
     section, title, lines = render_record(rec)
