@@ -1,7 +1,7 @@
 """Prompts written by people, from the question sets PyPI packages ship: the answer set ``people`` (``train data --set
 people``). The synthesized prompts are the target's own; a drafter trained on them transfers less to what people
-type (docs/benchmarks.md, "Falcon on chat"), so these give it requests in people's words: questions asked of search
-engines and of chat assistants, how-to goals, chit-chat, and instructions written for chat benchmarks.
+type (docs/results/log-2026-11.md, "Falcon on chat"), so these give it requests in people's words: questions asked
+of search engines and of chat assistants, how-to goals, chit-chat, and instructions written for chat benchmarks.
 
 The packages are installed only to build the file, which the corpus keeps (``training/corpus/<target>/sets/people/
 prompts.jsonl.xz``); no run needs them after that:
