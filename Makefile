@@ -59,7 +59,7 @@ test-floor:
 	$(FLOOR_VENV)/bin/python -m pytest -q tests/engine/test_model.py
 
 # jemalloc for the server: plain bf16 decoding ran 1.13-1.26x faster with it preloaded than with glibc's malloc on a
-# 2-core AMD EPYC (docs/benchmarks.md).
+# 2-core AMD EPYC (docs/results/log-2026-11.md, "Allocator (jemalloc)").
 jemalloc:
 	$(call apt_install,ls /usr/lib/*/libjemalloc.so.2,libjemalloc2,for faster CPU serving)
 
