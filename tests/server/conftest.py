@@ -101,6 +101,14 @@ def server(tmp_path_factory, target32):
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def client(server):
+    """The `openai` client of the session's server (a test module may define its own `client`)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
 @pytest.fixture
 def make_server(tmp_path, target32):
     started = []

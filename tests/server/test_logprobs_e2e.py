@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 from langchain_openai import ChatOpenAI
-from openai import OpenAI
 
 from server.api.logprobs import LOGPROB_FLOOR
 from tests.server.conftest import ServerProcess, wait_balanced
@@ -20,17 +19,6 @@ from tests.server.scripted import chunk_entries, strict_json
 
 
 # -- real servers --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def live(server):
-    """The session's float32 server (speculative steps and plain decoding give the same logprobs to ~1e-6)."""
-    return server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return OpenAI(base_url=live.url + "/v1", api_key=live.api_key, max_retries=0, timeout=120)
-
-
 SERVED = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "List three colors of the rainbow."}]
 
@@ -162,11 +150,11 @@ def test_e2e_processed_logprobs_of_cut_tokens_are_minus_9999(tmp_path_factory, t
 
 
 @pytest.mark.server
-def test_e2e_langchain_chat_openai_logprobs(live):
-    llm = ChatOpenAI(base_url=live.url + "/v1", api_key=live.api_key, model=SERVED, logprobs=True, max_tokens=8,
+def test_e2e_langchain_chat_openai_logprobs(server):
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=server.api_key, model=SERVED, logprobs=True, max_tokens=8,
                      temperature=0, max_retries=0)
     r = llm.invoke("Name a color.")
     content = r.response_metadata["logprobs"]["content"]
     assert len(content) == r.response_metadata["token_usage"]["completion_tokens"] >= 1
     assert all(e["logprob"] <= 0 and isinstance(e["token"], str) for e in content)
-    assert wait_balanced(live.url)
+    assert wait_balanced(server.url)

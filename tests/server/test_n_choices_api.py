@@ -173,11 +173,6 @@ def test_request_metrics_count_the_prompt_and_latency_once():
 STORY = [{"role": "user", "content": "Tell me a story about a fox."}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
 def _warm(client: OpenAI, **kw) -> None:
     """Cache the prompt's rows first, so that every request compared afterwards starts from the same cached prefix.
     (In bfloat16, the server's dtype here, prefilling the last prompt row after a cache hit and prefilling the whole

@@ -5,18 +5,13 @@ import asyncio
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from tests.server.conftest import metric, scrape, wait_balanced
 
 pytestmark = pytest.mark.server
 
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

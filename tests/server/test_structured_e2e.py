@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from tests.server.tool_specs import ADD, WEATHER, merge_stream
@@ -29,19 +28,8 @@ SERVED = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def live(server):
-    """The session's float32 server, with room for the tools prompt."""
-    return server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return OpenAI(base_url=live.url + "/v1", api_key=live.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def llm(live):
-    return ChatOpenAI(base_url=live.url + "/v1", api_key=live.api_key, model=SERVED, temperature=0, max_tokens=40,
+def llm(server):
+    return ChatOpenAI(base_url=server.url + "/v1", api_key=server.api_key, model=SERVED, temperature=0, max_tokens=40,
                       max_retries=0, timeout=120)
 
 
@@ -221,7 +209,7 @@ random_schemas = st.one_of(
 @pytest.mark.server
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=random_schemas, as_tool=st.booleans(), stream=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_e2e_fuzz_random_schemas(live, schema, as_tool, stream, seed):
+def test_e2e_fuzz_random_schemas(server, schema, as_tool, stream, seed):
     """A random schema, as a response format or as a named tool's argument (wrapped in an object), streamed or
     not: a 400 naming the field, or output that parses and validates whenever the model finished on its own."""
     body = {"model": SERVED, "messages": [{"role": "user", "content": "Say hello."}],  # free text: no JSON
@@ -234,7 +222,7 @@ def test_e2e_fuzz_random_schemas(live, schema, as_tool, stream, seed):
                  "tool_choice": {"type": "function", "function": {"name": "f"}}}
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-    r = httpx.post(live.url + "/v1/chat/completions", json=body, headers=live.headers, timeout=120)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, timeout=120)
     assert r.status_code in (200, 400), (schema, r.status_code, r.text)
     if r.status_code == 400:
         assert r.json()["error"]["param"] == ("tools" if as_tool else "response_format"), r.text
