@@ -35,6 +35,14 @@ def _check_qkv(q, k_cache, v_cache, kv_dims: int, kv_layout: str) -> None:
         raise ValueError(f"query heads {H} must be a multiple of kv heads {H_kv}")
 
 
+def _check_tree_mask(tree_mask, q, rows: str, n: int) -> None:
+    """The mask: int64, one entry per query row (``rows`` = ``n`` of them), on q's device."""
+    if tree_mask.dtype != torch.int64 or tree_mask.shape != (n,):
+        raise ValueError(f"tree_mask must be int64 [{rows}={n}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    if tree_mask.device != q.device:
+        raise ValueError(f"tree_mask on {tree_mask.device}, q on {q.device}")
+
+
 def _check_kernel_inputs(q, name: str) -> None:
     D = q.shape[-1]
     if D < 16 or D > 256 or D & (D - 1):
@@ -53,11 +61,7 @@ def _check_inputs(q, k_cache, v_cache, cache_len, tree_mask, *, for_kernel: bool
     if S < cache_len + T:
         raise ValueError(f"cache has {S} rows, need cache_len + T = {cache_len + T}")
     if tree_mask is not None:
-        if tree_mask.dtype != torch.int64 or tree_mask.shape != (T,):
-            raise ValueError(f"tree_mask must be int64 [T={T}], got {tree_mask.dtype} "
-                             f"{tuple(tree_mask.shape)}")
-        if tree_mask.device != q.device:
-            raise ValueError(f"tree_mask on {tree_mask.device}, q on {q.device}")
+        _check_tree_mask(tree_mask, q, "T", T)
         if T > _MAX_TREE_ROWS:
             raise ValueError(f"a tree mask supports at most {_MAX_TREE_ROWS} rows, got T={T}; "
                              f"use tree_mask=None (causal) for prefill")
@@ -85,11 +89,7 @@ def _check_batched_inputs(q, k_layer, v_layer, slots, cache_lens, row_starts, tr
         if t.device != q.device:
             raise ValueError(f"{name} on {t.device}, q on {q.device}")
     if tree_mask is not None:
-        if tree_mask.dtype != torch.int64 or tree_mask.shape != (T_total,):
-            raise ValueError(f"tree_mask must be int64 [T_total={T_total}], got {tree_mask.dtype} "
-                             f"{tuple(tree_mask.shape)}")
-        if tree_mask.device != q.device:
-            raise ValueError(f"tree_mask on {tree_mask.device}, q on {q.device}")
+        _check_tree_mask(tree_mask, q, "T_total", T_total)
     # Values are only checked on the CPU: reading device tensors back would cost a host sync per layer.
     if q.device.type == "cpu":
         starts, lens, slot_list = row_starts.tolist(), cache_lens.tolist(), slots.tolist()

@@ -95,12 +95,11 @@ def stage_env(gpu: bool, out: Path, budget: float, small: bool) -> dict:
     except ImportError:
         info["triton"] = None
     try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-        flags = next(line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags"))
-        info["cpu_features"] = [f for f in ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if f in flags]
-        info["cpu_cores"] = os.cpu_count()
-    except (OSError, StopIteration):
+        from server.bench.records import machine  # what the results records name a machine by
+
+        m = machine()
+        info.update(cpu=m["cpu"], cpu_features=m["cpu_features"], cpu_cores=m["cores"])
+    except ImportError:
         pass
     if gpu:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],

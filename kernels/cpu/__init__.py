@@ -36,14 +36,25 @@ _lock = threading.Lock()
 _state: dict = {}  # "module" or "reason", set once by load()
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first processor's ``field`` in /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            key, _, value = line.partition(":")
+            if key.strip() == field:
+                return value.strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    return set((_cpuinfo("flags") or "").split())
+
+
+def cpu_model() -> str:
+    """The processor's model name (``AMD EPYC``, ``Intel(R) Xeon(R) ...``), else what ``platform`` says."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def load():

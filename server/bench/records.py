@@ -11,7 +11,6 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -26,15 +25,11 @@ KEYS = ("kind", "section", "title", "date", "commit", "command", "machine", "sou
 
 def machine() -> dict:
     """The CPU's model name, its vector extensions among `CPU_FEATURES`, its cores, and the GPU if torch sees one."""
-    info: dict = {"cpu": platform.processor() or platform.machine(), "cpu_features": [], "cores": os.cpu_count(),
-                  "gpu": None}
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-        flags = set(next(ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")))
-        info["cpu_features"] = [f for f in CPU_FEATURES if f in flags]
-    except (OSError, StopIteration):
-        pass
+    from kernels.cpu import cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    info = {"cpu": cpu_model(), "cpu_features": [f for f in CPU_FEATURES if f in flags], "cores": os.cpu_count(),
+            "gpu": None}
     try:
         import torch
 

@@ -7,11 +7,10 @@ page fails CI).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from server.bench.records import RESULTS, ROOT, load, machine_label
+from server.bench.records import ROOT, load, machine_label
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 SECTIONS = ("Target speed", "Offline: drafters against plain decoding", "Serving", "Prefix caching",
@@ -149,15 +148,6 @@ def render(records: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specserve bench report", description=__doc__.splitlines()[0])
-    p.add_argument("--results", default=str(RESULTS), help="the records' folder")
-    p.add_argument("--out", default=str(PAGE), help="the page to write")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page is out of date")
-    a = p.parse_args(argv)
-    return run(a.results, a.out, a.check)
-
-
 def run(results: str, out: str, check: bool) -> int:
     text = render(load(results))
     if check:
@@ -170,7 +160,3 @@ def run(results: str, out: str, check: bool) -> int:
     Path(out).write_text(text)
     print(f"wrote {out} ({text.count(chr(10))} lines)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 from core.ops import linear_key, measure_int4_forms, measure_linear_kernels, use_linear_kernel
 from core.tree import MAX_TREE_ROWS, DraftTree
+from kernels.cpu import cpu_flags, cpu_model
 from server.engine.step import StepPlan
 
 log = logging.getLogger("specserve.engine")
@@ -132,18 +132,10 @@ def step_token_budget(curve: dict[int, float], base_rows: int = 1, factor: float
 def machine_key(quantization: str) -> str:
     """What the fastest CPU dtype depends on: the processor (model name and the features that decide 16-bit speed),
     torch, threads, and the weight quantization."""
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())  # the first processor's lines
-    except OSError:
-        pass
-    name = info.get("model name") or platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
+    flags = cpu_flags()
     feats = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
     threads = torch.get_num_threads()
-    return f"{name} [{' '.join(feats)}] | torch {torch.__version__} | {threads} threads | {quantization}"
+    return f"{cpu_model()} [{' '.join(feats)}] | torch {torch.__version__} | {threads} threads | {quantization}"
 
 
 def choose_dtype(measure: Callable[[str], dict[int, float]], device: torch.device, quantization: str,
