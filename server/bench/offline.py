@@ -104,8 +104,8 @@ def run_offline(cfg: EngineConfig, drafters: list[str], prompts_path: str, max_t
         engines[label] = Engine(cfg, create_drafter(name, target, {**cfg.drafter.options_for(name), **opts}), target)
     hf_model = None
     if baseline == "hf":
-        from transformers import AutoModelForCausalLM
-        hf_model = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=target.dtype).eval()
+        from server.model_files import hf_causal_lm
+        hf_model = hf_causal_lm(target.hf_dir, target.gguf, target.dtype)
     elif baseline:
         raise ValueError(f"unknown baseline {baseline!r} (supported: hf)")
 

@@ -233,32 +233,34 @@ class Llama(nn.Module):
         return per_layer + [self.lm_head.weight]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load transformers' weight names (every supported family's) into the fused layout."""
+        """Load transformers' weight names (every supported family's) into the fused layout. ``state`` is consumed:
+        each tensor leaves it as it is placed, so fusing q/k/v and gate/up never holds a layer's weights twice."""
+        take = state.pop
         a = self.args
         # Gemma's RMSNorm scales by (1 + w), computed in float32 as transformers does: stored as that sum
         norm = (lambda w: 1.0 + w.float()) if a.norm_plus_one else (lambda w: w)
-        own = {"embed.weight": state["model.embed_tokens.weight"], "norm": norm(state["model.norm.weight"])}
+        own = {"embed.weight": take("model.embed_tokens.weight"), "norm": norm(take("model.norm.weight"))}
         if not a.tie_word_embeddings:
-            own["lm_head.weight"] = state["lm_head.weight"]
+            own["lm_head.weight"] = take("lm_head.weight")
         for i in range(a.num_layers):
             p, o = f"model.layers.{i}.", f"layers.{i}."
-            own[o + "attn_norm"] = norm(state[p + "input_layernorm.weight"])
+            own[o + "attn_norm"] = norm(take(p + "input_layernorm.weight"))
             if a.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
-                own[o + "attn_out_norm"] = norm(state[p + "post_attention_layernorm.weight"])
-                own[o + "mlp_norm"] = norm(state[p + "pre_feedforward_layernorm.weight"])
-                own[o + "mlp_out_norm"] = norm(state[p + "post_feedforward_layernorm.weight"])
+                own[o + "attn_out_norm"] = norm(take(p + "post_attention_layernorm.weight"))
+                own[o + "mlp_norm"] = norm(take(p + "pre_feedforward_layernorm.weight"))
+                own[o + "mlp_out_norm"] = norm(take(p + "post_feedforward_layernorm.weight"))
             else:
-                own[o + "mlp_norm"] = state[p + "post_attention_layernorm.weight"]
-            own[o + "wqkv.weight"] = torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+                own[o + "mlp_norm"] = take(p + "post_attention_layernorm.weight")
+            own[o + "wqkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             if a.qkv_bias:
-                own[o + "qkv_bias"] = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], dim=0)
+                own[o + "qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
             if a.qk_norm:
-                own[o + "q_norm"] = norm(state[p + "self_attn.q_norm.weight"])
-                own[o + "k_norm"] = norm(state[p + "self_attn.k_norm.weight"])
-            own[o + "wo.weight"] = state[p + "self_attn.o_proj.weight"]
+                own[o + "q_norm"] = norm(take(p + "self_attn.q_norm.weight"))
+                own[o + "k_norm"] = norm(take(p + "self_attn.k_norm.weight"))
+            own[o + "wo.weight"] = take(p + "self_attn.o_proj.weight")
             own[o + "w_gate_up.weight"] = torch.cat(
-                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], dim=0)
-            own[o + "w_down.weight"] = state[p + "mlp.down_proj.weight"]
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            own[o + "w_down.weight"] = take(p + "mlp.down_proj.weight")
         # assign=True: the module may have been built on the meta device to skip random init.
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
         missing = [m for m in missing if not (a.tie_word_embeddings and m == "lm_head.weight")]
@@ -275,3 +277,4 @@ class Llama(nn.Module):
 def _local_rope_args(a: LlamaArgs) -> LlamaArgs:
     """The sliding layers' RoPE: their own base, no scaling (Gemma 3)."""
     return dataclasses.replace(a, rope_theta=a.local_rope_theta, rope_scaling=None)
+

@@ -31,6 +31,7 @@ from torch import nn
 from core.ops import QUANTIZATIONS, Int4Weight, Int8Weight
 from kernels import cpu as qlinear
 from server.engine.weights import QBlocks, gguf_linear_blocks, gguf_linear_quantization
+from server.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def kernel_path(kind: str, device: torch.device) -> str:
     return "qlinear" if qlinear.load() is not None else "aten"
 
 
-def resolve_quantization(kind: str, device: torch.device, gguf: Path | None) -> str:
+def resolve_quantization(kind: str, device: torch.device, gguf: "GGUFFile | Path | None") -> str:
     """``model.quantization: auto``: on CPU, a GGUF source's own quantization (int4 for Q4_1 layers, int8 for Q8_0:
     what llama.cpp serves from the file, several times cheaper per step than de-quantized weights); unquantized for
     any other source (quantizing it would change the model) and on GPUs."""
@@ -63,12 +64,12 @@ def resolve_quantization(kind: str, device: torch.device, gguf: Path | None) -> 
     return gguf_linear_quantization(gguf) or "none"
 
 
-def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: Path | None = None,
+def quantize_model(model: nn.Module, kind: str, dtype: torch.dtype, gguf: "GGUFFile | Path | None" = None,
                    kernels: str | None = None, int4_form: str = "packed") -> str:
     """Quantize ``model`` (a ``server.engine.model.Llama`` already on its device) in place; returns the kernel path
     (``kernel_path``, or ``kernels`` where given: "aten" forces PyTorch's packed kernels).
 
-    ``gguf``: the file the weights were converted from; every matrix whose parts it holds as blocks of the kind served
+    ``gguf``: the file the weights were read from; every matrix whose parts it holds as blocks of the kind served
     is built from those blocks (the rest is quantized from the dense weights as usual). ``int4_form``: the form of
     PyTorch's path's int4 matrices (``core.ops.Int4Weight``; ``server.engine.stepcost.choose_int4_form`` measures it).
     """

@@ -9,6 +9,7 @@ weights are quantized (``stepcost.choose_int4_form``, ``tune_linear``). Every ch
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import logging
 
@@ -22,7 +23,8 @@ from server.engine.model import Llama, _local_rope_args
 from server.engine.quant import kernel_path, quantize_model, resolve_quantization
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, choose_int4_form, step_curve, tune_linear
 from server.engine.target import Target, resolve_device
-from server.engine.weights import load_state_dict
+from server.engine.weights import load_weights
+from server.gguf_file import GGUFFile
 from server.model_files import load_hf_config, resolve_model
 
 log = logging.getLogger(__name__)
@@ -34,48 +36,63 @@ def load_engine(cfg: EngineConfig, drafter: Drafter | None = None, progress: boo
 
 
 def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
-    """Build the target model from the config (converting a GGUF source once into the cache).
+    """Build the target model from the config (a GGUF source's metadata read once into the cache, its weights from
+    the file).
 
-    ``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``).
+    ``model.dtype: auto`` measures the candidate dtypes on this machine first (``server.engine.stepcost``); any other
+    dtype is the one a GGUF file's tensors are de-quantized into, one at a time (no float32 copy of the model).
     """
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
+    gguf = GGUFFile.open(resolved.gguf, resolved.hf_dir) if resolved.gguf is not None else None
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
     args.check_context(cfg.cache.max_seq_len)
     device = resolve_device(cfg.model.device)
-    quantization = resolve_quantization(cfg.model.quantization, device, resolved.gguf)
+    quantization = resolve_quantization(cfg.model.quantization, device, gguf)
     if quantization != cfg.model.quantization:
         log.info("model.quantization auto: %s (%s kernels on %s)", quantization,
                  kernel_path(quantization, device), device)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization=quantization))
-    with torch.device("meta"):  # skip random init: every weight is loaded below
-        model = Llama(args, cfg.cache.max_seq_len)
-    model.load_hf_state_dict(load_state_dict(resolved.hf_dir))
-    model.eval().requires_grad_(False)
     name = cfg.model.dtype
     if name == "auto" and kernel_path(cfg.model.quantization, device) == "qlinear":
         name = "float32"  # the kernel quantizes activations to int8 itself: 16-bit ones would only add casts
         log.info("model.dtype auto: float32 (quantization %s on the qlinear kernel)", cfg.model.quantization)
+    with torch.device("meta"):  # skip random init: every weight is loaded below
+        model = Llama(args, cfg.cache.max_seq_len)
+    load_dtype = DTYPES[name] if name != "auto" else torch.float32
+    model.load_hf_state_dict(load_weights(resolved.hf_dir, gguf, load_dtype))
+    model.eval().requires_grad_(False)
     if name == "auto":
         name = choose_dtype(lambda d: measure_dtype(cfg, model, resolved, device, d), device,
                             cfg.model.quantization, resolved.hf_dir)
-    target = build_target(model, resolved, device, name, cfg.model.quantization)
+    target = build_target(model, resolved, device, name, cfg.model.quantization, gguf)
     target.quantization = cfg.model.quantization
+    release_freed_memory()
     return target
 
 
-def build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
+def release_freed_memory() -> None:
+    """Hand the memory loading freed (de-quantized float32 tensors, pre-fusion matrices) back to the system: glibc
+    keeps freed blocks under its mmap threshold in the heap, ~125 MiB for the embedded model. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str,
+                 gguf: GGUFFile | None = None) -> Target:
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
     form = "packed"
     if quantization == "int4" and kernel_path(quantization, device) == "aten" and device.type == "cpu":
         form = choose_int4_form(widest_matrix(model), dtype, resolved.hf_dir)
-    kernels = quantize_model(model, quantization, dtype, gguf=resolved.gguf, int4_form=form)
+    kernels = quantize_model(model, quantization, dtype, gguf=gguf, int4_form=form)
     if quantization != "none":
         log.info("quantization %s on %s (%s kernels%s)", quantization, device, kernels,
                  ", int4 as dense matrices: the packed kernel measured slower here" if form == "dense" else "")
     dense = [w.dense if isinstance(w, Int4Weight) and w.dense is not None else w for w in model.matmul_weights()]
     tune_linear([w for w in dense if isinstance(w, torch.Tensor)], resolved.hf_dir)
-    return Target(model, resolved.model_id, device, dtype, resolved.hf_dir)
+    return Target(model, resolved.model_id, device, dtype, resolved.hf_dir, resolved.gguf)
 
 
 def widest_matrix(model: Llama) -> tuple[int, int]:
@@ -128,5 +145,6 @@ def measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.devic
                             cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
                             drafter=dataclasses.replace(cfg.drafter, name="none"))
     small = measurement_model(model, c.cache.max_seq_len)
-    target = build_target(small, resolved, device, dtype_name, cfg.model.quantization)
+    gguf = GGUFFile.open(resolved.gguf, resolved.hf_dir) if resolved.gguf is not None else None
+    target = build_target(small, resolved, device, dtype_name, cfg.model.quantization, gguf)
     return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)

@@ -32,9 +32,11 @@ class TargetPass(NamedTuple):
 class Target:
     """The frozen target model plus the read-only pieces drafters may share (implements drafters.base.TargetView)."""
 
-    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None):
+    def __init__(self, model: Llama, model_id: str, device: torch.device, dtype: torch.dtype, hf_dir=None,
+                 gguf=None):
         self.model, self.model_id, self.device, self.dtype = model, model_id, device, dtype
-        self.hf_dir = hf_dir  # converted HF directory: tokenizer files, and weights for reference runs
+        self.hf_dir = hf_dir  # config and tokenizer files (and the weights, unless they are a GGUF file's)
+        self.gguf = gguf      # the GGUF file holding the weights, if the source is one
         self.quantization = "none"  # what load_target served (model.quantization: auto resolved)
         self.args: LlamaArgs = model.args
 

@@ -1,7 +1,8 @@
-"""The target's weights as the engine loads them: a converted HF directory's safetensors, and a GGUF file's Q4_1 and
-Q8_0 blocks as stored (``gguf_linear_blocks``), so a quantized target can serve the file's own quantization.
+"""The target's weights as the engine loads them (``load_weights``): a HF directory's safetensors or a GGUF file's
+tensors de-quantized (``server.gguf_file``), and a GGUF file's affine blocks as stored (``gguf_linear_blocks``), so a
+quantized target can serve the file's own quantization.
 
-Locating and converting a model source is ``server.model_files``.
+Locating a model source is ``server.model_files``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from server.gguf_file import ARCHITECTURES, GGUFFile, open_gguf, unpermute_rope_rows
 from server.model_files import WeightsError
+
 
 class QBlocks(NamedTuple):
     """A GGUF block-quantized matrix as stored, one block per 32 input columns of a row, as unsigned codes:
@@ -26,74 +29,60 @@ class QBlocks(NamedTuple):
 
 
 Q4_1_BLOCK = 32
-# llama.cpp's names of a block's linear layers -> transformers' Llama names
-_GGUF_LINEAR = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
 Q8_0_BLOCK_BYTES = 2 + Q4_1_BLOCK
+LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # llama.cpp's names
 
 
-# The GGUF architectures whose block matrices are read (general.architecture; Mistral files say "llama"). Only
-# llama.cpp's "llama" converter interleaves q/k rows for its RoPE layout.
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-
-
-def gguf_linear_blocks(gguf: Path) -> dict[str, QBlocks]:
+def gguf_linear_blocks(gguf: GGUFFile | Path) -> dict[str, QBlocks]:
     """The block-quantized matrices of a GGUF file whose blocks of 32 are affine (linear layers, the output head and
     the token embedding, which a tied head multiplies by), as stored, under transformers' names: Q4_0, Q4_1 and Q4_K
     as 4-bit codes; Q5_0, Q5_K and Q8_0 as 8-bit codes (``QBlocks``). A K-quant super-block of 256 is 8 sub-blocks
     of 32, each d * sc * q - dmin * m: an affine block of 32. Q6_K (sub-blocks of 16) and every other type are left
-    out, and so is every tensor of an architecture not in ``GGUF_ARCHITECTURES``.
+    out, and so is every tensor of an architecture ``server.gguf_file`` does not read.
 
-    Rows come in the order of the converted HF directory: llama.cpp's "llama" converter interleaves the rows of q_proj
-    and k_proj for its RoPE layout, and transformers' loader undoes that, so the same row permutation is applied here
-    (blocks run along a row, so a row permutation keeps them whole).
+    Rows come in transformers' order: llama.cpp's "llama" converter interleaves the rows of q_proj and k_proj for its
+    RoPE layout, undone as for the de-quantized weights (blocks run along a row, so a row permutation keeps them
+    whole).
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        return {}
-    n_head, n_kv_head = (_gguf_field(reader, f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv"))
+    gguf = open_gguf(gguf)
     out: dict[str, QBlocks] = {}
-    for t in reader.tensors:
-        unpack = _UNPACK.get(t.tensor_type.name)
-        if unpack is None or len(t.shape) != 2:
+    for t in gguf.tensors:
+        unpack = _UNPACK.get(t.type)
+        name = gguf.hf_name(t)
+        if unpack is None or len(t.shape) != 2 or name is None or not name.endswith(".weight"):
             continue
-        parts = t.name.split(".")  # blk.<i>.<kind>.weight, output.weight or token_embd.weight
-        if t.name == "output.weight":
-            name = "lm_head.weight"
-        elif t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LINEAR and parts[3] == "weight":
-            name = f"model.layers.{parts[1]}.{_GGUF_LINEAR[parts[2]]}.weight"
-        else:
+        if not (t.name in ("output.weight", "token_embd.weight") or t.name.split(".")[2] in LINEAR_KINDS):
             continue
         bits, fn = unpack
-        q, d, m = fn(np.asarray(t.data), int(t.shape[0]))
-        # transformers permutes only when both head counts are known (LlamaTensorProcessor); so do we
-        if arch == "llama" and parts[-2] in ("attn_q", "attn_k") and n_head is not None and n_kv_head is not None:
-            heads = n_head if parts[-2] == "attn_q" else n_kv_head
-            q, d, m = (_unpermute_rope_rows(x, heads) for x in (q, d, m))
+        raw = gguf.raw(t)
+        q, d, m = fn(np.asarray(raw), raw.shape[1] // _BYTES_PER_32[t.type] * Q4_1_BLOCK)
+        heads = gguf.rope_row_heads(t)
+        if heads is not None:
+            q, d, m = (unpermute_rope_rows(x, heads) for x in (q, d, m))
         out[name] = QBlocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), bits)
     return out
 
 
-def gguf_linear_quantization(gguf: Path) -> str | None:
+def gguf_linear_quantization(gguf: GGUFFile | Path) -> str | None:
     """What a GGUF file's block linear layers are stored as, read from the tensor types alone: "int4" (every one
     4-bit affine blocks: Q4_0, Q4_1 or Q4_K), "int8" (every one Q8_0), else None (float, mixed widths such as
-    Q4_K_M's, or an architecture not in ``GGUF_ARCHITECTURES``)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf)
-    if _gguf_field(reader, "general.architecture") not in GGUF_ARCHITECTURES:
+    Q4_K_M's, or an architecture ``server.gguf_file`` does not read)."""
+    gguf = open_gguf(gguf)
+    if gguf.architecture not in ARCHITECTURES:
         return None
-    kinds = {t.tensor_type.name for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.split(".")[2] in _GGUF_LINEAR}
+    kinds = {t.type for t in gguf.tensors if t.name.startswith("blk.") and t.name.split(".")[2] in LINEAR_KINDS}
     if kinds and kinds <= {"Q4_0", "Q4_1", "Q4_K"}:
         return "int4"
     return "int8" if kinds == {"Q8_0"} else None
+
+
+def load_weights(hf_dir: Path, gguf: GGUFFile | None = None,
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The target's weights under transformers' names: a GGUF file's, de-quantized one tensor at a time into
+    ``dtype``; else the directory's safetensors (as stored: the caller casts)."""
+    if gguf is not None:
+        return dict(gguf.state_dict(dtype))
+    return load_state_dict(hf_dir)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -184,21 +173,11 @@ def _q5_k_blocks(raw: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return _k_affine(blocks, low | (high << 4), N, K)
 
 
-def _unpermute_rope_rows(x: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row interleave of q_proj / k_proj (transformers' ``_reverse_permute_weights``)."""
-    half = x.shape[0] // n_head // 2
-    return np.ascontiguousarray(x.reshape(n_head, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape))
-
-
 # GGML type name -> (code bits of QBlocks, unpacker (raw [N, bytes] uint8, K) -> (q, d, m))
 _UNPACK = {"Q4_0": (4, _q4_0_blocks), "Q4_1": (4, _q4_1_blocks), "Q4_K": (4, _q4_k_blocks),
            "Q5_0": (8, _q5_0_blocks), "Q5_K": (8, _q5_k_blocks), "Q8_0": (8, _q8_0_blocks)}
-
-
-def _gguf_field(reader, key: str):
-    """A scalar or string metadata value of a GGUF file, or None when the file lacks it."""
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+# bytes a row spends on 32 of its columns, per type
+_BYTES_PER_32 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144 // 8, "Q5_0": 22, "Q5_K": 176 // 8, "Q8_0": Q8_0_BLOCK_BYTES}
 
 
 def load_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:

@@ -163,7 +163,7 @@ def test_a_short_training_run_writes_a_head_that_loads(fp32_config, target32, tm
     recs = training_records(humaneval=False)[::300][:3]
     data = tmp_path / "answers.pt"
     generate_responses(target32.hf_dir, target32.model_id, recs, data, max_new_tokens=20, batch_size=3,
-                       dtype=torch.float32, progress=False)
+                       dtype=torch.float32, progress=False, gguf=target32.gguf)
     out = run_train_accept_head(fp32_config, drafter, tmp_path / f"accept-{drafter}.safetensors", data_path=data,
                                 opts=AcceptTrainOptions(max_depth=3, keep=1.0, steps=20, batch=64, val_fraction=0.34),
                                 limit=3, work=tmp_path, progress=False, log=lambda m: None)

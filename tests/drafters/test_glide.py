@@ -269,7 +269,7 @@ def test_a_few_training_steps_reduce_the_loss_and_checkpoints_reload(target32, t
 
     recs = training_records(humaneval=False)[::200][:4]
     data = generate_responses(target32.hf_dir, target32.model_id, recs, tmp_path / "answers.pt", max_new_tokens=24,
-                              batch_size=4, dtype=torch.float32, progress=False)
+                              batch_size=4, dtype=torch.float32, progress=False, gguf=target32.gguf)
     items = data["items"]
     assert len(items) == 4 and all(1 <= len(it["response_ids"]) <= 24 for it in items)
     vocab = vocab_by_frequency(items, target32.args.vocab_size, 512, always=(2,))

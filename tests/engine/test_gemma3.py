@@ -40,13 +40,31 @@ def test_it_loads_as_gemma3(gemma):
     assert load_hf_config(target.hf_dir)["architectures"] == ["Gemma3ForCausalLM"]  # the converted directory's class
 
 
-def test_greedy_equals_transformers_on_the_same_file(gemma):
+@pytest.fixture(scope="module")
+def by_transformers(gemma):
+    """transformers' own reading of the same file (``from_pretrained(gguf_file=...)``), float32."""
     from transformers import AutoModelForCausalLM
 
+    gguf = gemma[1].gguf
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_the_weights_are_transformers_reading_of_the_file_bit_for_bit(gemma, by_transformers):
+    """Every tensor of the Q4_K_M file (Q4_K, Q5_0, Q6_K, Q8_0, F32) as ``server.gguf_file`` de-quantizes it, Gemma's
+    stored 1 + w norms included, equals transformers' loader's."""
+    from server.gguf_file import GGUFFile
+
+    target = gemma[1]
+    ours = dict(GGUFFile.open(target.gguf, target.hf_dir).state_dict())
+    theirs = by_transformers.state_dict()
+    assert set(ours) == set(theirs) - {"lm_head.weight"}  # tied: the head is the embedding
+    for name, w in ours.items():
+        assert torch.equal(w, theirs[name]), name
+
+
+def test_greedy_equals_transformers_on_the_same_file(gemma, by_transformers):
     cfg, target, tok, prompts = gemma
-    # the converted directory is transformers' own reading of the file (from_pretrained(gguf_file=...), saved): the
-    # same weights as loading the file again, without de-quantizing it a second time
-    hf = AutoModelForCausalLM.from_pretrained(str(target.hf_dir), dtype=torch.float32).eval()
+    hf = by_transformers
     ours = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
     for ids, got in zip(prompts, ours):
         with torch.inference_mode():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from server.engine import weights as W
+from server.gguf_file import BLOCK_NAMES
 
 T_SIZES = {"Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 2, "Q6_K": 0}  # float16 fields up front
 
@@ -71,7 +72,7 @@ def test_a_qwen2_file_gives_its_blocks_under_transformers_names(tmp_path):
     writer.close()
 
     got = W.gguf_linear_blocks(path)
-    names = {k: f"model.layers.0.{W._GGUF_LINEAR[k]}.weight" for k in layout}
+    names = {k: f"model.layers.0.{BLOCK_NAMES['qwen2'][k]}.weight" for k in layout}
     assert set(got) == {names[k] for k in layout if k != "ffn_down"}
     for kind, type_name in layout.items():
         if kind == "ffn_down":

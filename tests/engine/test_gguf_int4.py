@@ -64,9 +64,9 @@ def blocks(resolved) -> dict[str, QBlocks]:
 
 
 @pytest.fixture(scope="module")
-def dense(resolved) -> dict[str, torch.Tensor]:
-    """The weights transformers de-quantized from the same file (the converted HF directory)."""
-    return load_state_dict(resolved.hf_dir)
+def dense(embedded_by_transformers) -> dict[str, torch.Tensor]:
+    """The weights transformers de-quantized from the same file."""
+    return embedded_by_transformers.state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_the_reader_returns_every_quantized_matrix_and_nothing_else(resolved, bl
 
 
 @pytest.mark.parametrize("layer", [0, 17])
-def test_the_files_blocks_are_the_converted_weights_bit_for_bit(blocks, dense, layer):
+def test_the_files_blocks_are_transformers_weights_bit_for_bit(blocks, dense, layer):
     """Nibble order, d and m, and the q/k row order (llama.cpp's RoPE interleave undone) as transformers has them."""
     for n in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
         name = f"model.layers.{layer}.{n}.weight"
