@@ -71,16 +71,6 @@ def target32(fp32_config):
 
 
 @pytest.fixture(scope="session")
-def embedded_by_transformers(target32):
-    """transformers' own reading of the embedded GGUF file (``from_pretrained(gguf_file=...)``) in float32: the
-    reference our GGUF reader is checked against, reading nothing of ours but the file's path."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target32.gguf.parent, gguf_file=target32.gguf.name,
-                                                dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
 def int4(target32):
     """(config, target): `make serve`'s target (the GGUF file's int4 on the qlinear kernel where the CPU has it) in
     float32."""
@@ -109,9 +99,12 @@ def stops(tokenizer, target32):
 
 @pytest.fixture(scope="session")
 def hf_model32(target32):
+    """transformers' own reading of the embedded GGUF file (``from_pretrained(gguf_file=...)``) in float32: the
+    reference model, and the reference our GGUF reader is checked against (it reads nothing of ours but the path)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(target32.hf_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(target32.gguf.parent, gguf_file=target32.gguf.name,
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

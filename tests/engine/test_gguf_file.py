@@ -16,19 +16,19 @@ import torch
 from server.gguf_file import INDEX_NAME, GGUFFile
 
 
-def test_the_embedded_files_weights_are_transformers_reading_bit_for_bit(target32, embedded_by_transformers):
+def test_the_embedded_files_weights_are_transformers_reading_bit_for_bit(target32, hf_model32):
     """Q8_0 embedding, Q4_1 linear layers, F32 norms, and llama.cpp's q/k row interleave undone, as transformers'
     loader does; every weight of the model is there (the head is tied to the embedding)."""
     ours = dict(GGUFFile.open(target32.gguf, target32.hf_dir).state_dict())
-    theirs = embedded_by_transformers.state_dict()
+    theirs = hf_model32.state_dict()
     assert set(ours) == set(theirs) - {"lm_head.weight"}
     for name, w in ours.items():
         assert w.dtype == torch.float32 and torch.equal(w, theirs[name]), name
 
 
-def test_the_target_serves_exactly_those_weights(target32, embedded_by_transformers):
+def test_the_target_serves_exactly_those_weights(target32, hf_model32):
     """The served float32 target's fused q/k/v matrix is transformers' three matrices, row for row."""
-    hf = embedded_by_transformers.state_dict()
+    hf = hf_model32.state_dict()
     p = "model.layers.3.self_attn."
     want = torch.cat([hf[p + f"{n}_proj.weight"] for n in "qkv"])
     assert torch.equal(target32.model.layers[3].wqkv.weight, want)

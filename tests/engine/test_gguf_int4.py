@@ -64,9 +64,9 @@ def blocks(resolved) -> dict[str, QBlocks]:
 
 
 @pytest.fixture(scope="module")
-def dense(embedded_by_transformers) -> dict[str, torch.Tensor]:
+def dense(hf_model32) -> dict[str, torch.Tensor]:
     """The weights transformers de-quantized from the same file."""
-    return embedded_by_transformers.state_dict()
+    return hf_model32.state_dict()
 
 
 @pytest.fixture(scope="module")
