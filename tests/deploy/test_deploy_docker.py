@@ -199,7 +199,7 @@ def test_compose_specserve_gpu_health_restart_key():
     assert parse_duration(s["healthcheck"]["timeout"]) > 10
     drain = float(option(argv, "--drain-timeout") or 30.0)
     assert parse_duration(s["stop_grace_period"]) > drain, "docker must wait longer than the drain before SIGKILL"
-    # The model-cache volume sits where the container config keeps converted weights (and it is a named volume,
+    # The model-cache volume sits where the container config keeps model metadata and measurements (and it is a named volume,
     # which Docker seeds from the image's baked copy).
     vols = {v.split(":")[1]: v.split(":")[0] for v in s["volumes"]}
     assert cfg.model.cache_dir in vols and vols[cfg.model.cache_dir] in COMPOSE["volumes"]
