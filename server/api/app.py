@@ -15,7 +15,7 @@ from server.api.auth import ApiKeys
 from server.api.errors import BodySizeLimitMiddleware, install_error_handlers
 from server.api.logprobs import TokenText
 from server.api.structured import GrammarCompiler
-from server.api.tools import template_knows_tools
+from server.api.tools import CallSyntax, template_call_syntax, template_knows_tools
 from server.config import EngineConfig
 from server.metrics import Metrics
 from server.worker.process import WorkerClient
@@ -40,12 +40,14 @@ class ServerState:
     # it at startup)
     grammars: GrammarCompiler = field(init=False)
     template_knows_tools: bool = field(init=False)  # the chat template renders `tools` itself
+    call_syntax: CallSyntax = field(init=False)  # how the model writes tool calls (its template's syntax)
 
     def __post_init__(self):
         self.api_keys = self.api_key if not isinstance(self.api_key, str) else ApiKeys.of([self.api_key])
         self.token_text = TokenText(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.worker.ready.vocab_size, self.stop_token_ids)
         self.template_knows_tools = template_knows_tools(self.tokenizer)
+        self.call_syntax = template_call_syntax(self.tokenizer)
 
 
 class OutcomeMiddleware:

@@ -23,7 +23,7 @@ from pydantic import StrictBool, AfterValidator, Field, ValidationInfo, field_va
 from server.api.chat_messages import ChatMessage
 from server.api.structured import (FieldError, ToolChoice, parse_function_call, parse_functions,
                                    parse_response_format, parse_tool_choice, parse_tools)
-from server.api.tools import ToolPlan, render_messages
+from server.api.tools import HERMES, CallSyntax, ToolPlan, render_messages
 from server.api.validation import SafeStr, _clean_text, _field_error, _invalid, _Request, _unsupported
 
 MAX_STOPS = 4
@@ -260,14 +260,16 @@ class ChatCompletionRequest(_SamplingRequest):
                     else "`tools` (unless `tool_choice` is 'none')")
         return super()._grammar_fields()
 
-    def tool_plan(self) -> ToolPlan | None:
-        """The request's tools as one plan (legacy `functions` mapped onto tools), or None without any."""
+    def tool_plan(self, syntax: CallSyntax = HERMES) -> ToolPlan | None:
+        """The request's tools as one plan (legacy `functions` mapped onto tools) in the model's call ``syntax``, or
+        None without any."""
         legacy = self.functions is not None
         tools = self.functions if legacy else self.tools
         if not tools:
             return None
         choice = (self.function_call if legacy else self.tool_choice) or ToolChoice("auto")
-        return ToolPlan(list(tools), choice, parallel=self.parallel_tool_calls and not legacy, legacy=legacy)
+        return ToolPlan(list(tools), choice, parallel=self.parallel_tool_calls and not legacy, legacy=legacy,
+                        syntax=syntax)
 
     @field_validator("logprobs", mode="before")
     @classmethod

@@ -364,7 +364,7 @@ async def _respond(request: Request, req, group: Choices, chat: bool, plan: Tool
 async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth):
     s = _state(request)
     _check_model(s, req.model)
-    plan = req.tool_plan()
+    plan = req.tool_plan(s.call_syntax)
 
     def prepare() -> tuple[list[int], str | None, None]:
         grammar = _grammar(s, req, plan)

@@ -19,6 +19,8 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     - required: one call of any tool, then (parallel) more, each after a newline;
     - auto: free text until ``<tool_call>`` appears (a lazy trigger), then the call as above; or, with a JSON
       ``answer`` format, either that JSON or the calls from the first token.
+    In Llama 3's JSON syntax (``plan.syntax.at_start``) a call is the whole reply and has no tags: under auto the
+    reply is one call or text that does not begin with ``{``.
     Arguments follow each function's ``parameters`` schema, with the compact separators of ``core.grammar``.
     """
     if not plan.active:
@@ -27,10 +29,26 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     if plan.choice.mode == "named":
         tools = [t for t in tools if t.name == plan.choice.name]
     rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(tools)))}"]
+    syntax = plan.syntax
     for i, t in enumerate(tools):
-        head = '{"name": ' + dumps(t.name) + ', "arguments": '
+        head = '{"name": ' + dumps(t.name) + f', "{syntax.args_key}": '
         rules.append(f"body_{i}: {_lit(head)} args_{i} {_lit('}')}")
         rules.append(f"args_{i}: {json_schema_lark(t.arguments_schema())}")
+    if syntax.at_start:
+        if plan.choice.mode in ("named", "required"):
+            start = ["start: body"]
+        elif answer is not None and answer.constrained:
+            # the answer and a call both begin with "{": llguidance tells two JSON grammars apart, not a JSON
+            # grammar and a literal, so each call is a JSON schema here (its keys in order: name, then arguments)
+            schema = None if answer.type == "json_object" else answer.schema
+            start = ["start: answer | call", f"answer: {json_schema_lark(schema)}",
+                     f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}",
+                     *(f"call_{i}: {json_schema_lark(call_schema(t.name, syntax.args_key, t.arguments_schema()))}"
+                       for i, t in enumerate(tools))]
+            rules = []
+        else:
+            start = ["start: TEXT | body", "TEXT: /\\s*([^\\s{](.|\\n)*)?/"]
+        return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
     call = f'{_lit(TRIGGER + chr(10))} body {_lit(chr(10) + END)}'
     more = "" if plan.single else f' ({_lit(chr(10))} call)* {_lit(chr(10))}?'
     if plan.choice.mode in ("named", "required"):
@@ -45,3 +63,26 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
                  f'first: first_hd {_lit(chr(10))} body {_lit(chr(10) + END)}',
                  "TEXT: /(.|\\n)*/"]
     return "\n".join(["%llguidance {}", *start, f"call: {call}", *rules]) + "\n"
+
+
+def call_schema(name: str, key: str, arguments: dict) -> dict:
+    """The JSON schema of a call object ``{"name": name, key: arguments}``: the arguments' schema nested under
+    ``properties.<key>``, its ``$defs`` / ``definitions`` moved to the root and every other root-relative ``$ref``
+    re-pointed, so each reference still names what it named."""
+    args = dict(arguments)
+    defs = {k: args.pop(k) for k in ("$defs", "definitions") if k in args}
+    base = f"#/properties/{key}"
+
+    def repoint(x):
+        if isinstance(x, dict):
+            out = {k: repoint(v) for k, v in x.items()}
+            ref = x.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+                out["$ref"] = base + ref[1:]
+            return out
+        if isinstance(x, list):
+            return [repoint(v) for v in x]
+        return x
+
+    return {"type": "object", "properties": {"name": {"const": name}, key: repoint(args)},
+            "required": ["name", key], "additionalProperties": False, **repoint(defs)}

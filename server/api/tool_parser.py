@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.structured import dumps
-from server.api.tools import END, TRIGGER, ToolPlan, new_call_id
+from server.api.tools import END, HERMES, TRIGGER, CallSyntax, ToolPlan, new_call_id
 
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', re.S)
+def _head(key: str) -> re.Pattern:
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*', re.S)
+
+
+CANONICAL_HEAD = '{"name": "'  # how the call grammar begins a call object
 
 
 @dataclass
@@ -81,10 +85,16 @@ class ToolCallParser:
     held until the next text decides. A block whose head is not ``{"name": "...", "arguments": `` is parsed whole
     when it closes (any key order), and returned as content when it is no call and no call came before it. In
     ``single`` mode, blocks after the first call are ignored.
+
+    A ``syntax`` whose calls are the whole reply (Llama 3's JSON, ``at_start``): a reply whose first non-blank
+    character is ``{`` and that begins as the call grammar begins a call is one call (``{"name": ..., "parameters":
+    ...}``); any other reply is content, all of it.
     """
 
-    def __init__(self, single: bool = False):
+    def __init__(self, single: bool = False, syntax: CallSyntax = HERMES):
         self.single = single
+        self.syntax = syntax
+        self._head_re = _head(syntax.args_key)
         self.calls: list[ParsedCall] = []
         self._phase = "content"  # content | head | args | tail | between | skip (a block past the one call)
         self._buf = ""           # content: held text; head / tail / between: unprocessed text of the block
@@ -102,10 +112,10 @@ class ToolCallParser:
     def finish(self) -> list[tuple]:
         """The events of the held text once generation ended (a call cut short keeps what it has)."""
         events: list[tuple] = []
-        if self._phase == "content":
+        if self._phase in ("content", "text"):
             self._content(events, self._buf)
         elif self._phase == "head" and not self.calls:
-            self._content(events, self._held_ws + TRIGGER + self._block)
+            self._content(events, self._held_ws + ("" if self.syntax.at_start else TRIGGER) + self._block + self._buf)
         self._buf = ""
         self._phase = "between"
         return events
@@ -121,6 +131,8 @@ class ToolCallParser:
     def _step(self, events: list[tuple]) -> bool:
         """Process what the buffer allows; True when the phase changed and there may be more to do."""
         buf = self._buf
+        if self._phase == "text" or (self._phase == "content" and self.syntax.at_start):
+            return self._at_start_content(events)
         if self._phase in ("content", "between"):
             at = buf.find(TRIGGER)
             if at < 0:
@@ -142,6 +154,9 @@ class ToolCallParser:
             if self.single and self.calls:
                 self._phase = "skip"
             return True
+        if self._phase == "skip_all":  # after Llama 3's one call: nothing more is read
+            self._buf = ""
+            return False
         if self._phase == "skip":  # a block after the one call allowed: wait for its end, then ignore text
             at = buf.find(END)
             self._buf = "" if at < 0 else buf[at + len(END):]
@@ -151,7 +166,10 @@ class ToolCallParser:
         if self._phase == "head":
             self._block += buf
             self._buf = ""
-            m = _HEAD.match(self._block)
+            if self.syntax.at_start and not self.calls and not _may_begin(self._block, CANONICAL_HEAD):
+                self._phase, self._buf, self._block = "text", self._held_ws + self._block, ""
+                return True
+            m = self._head_re.match(self._block)
             if m is not None:
                 try:
                     name = json.loads(f'"{m.group(1)}"')
@@ -188,12 +206,35 @@ class ToolCallParser:
                 self._phase = "tail"
                 return True
             return False
-        if self._phase == "tail":  # the call's closing "}" and END
+        if self._phase == "tail":  # the call's closing "}" and END (at_start: only the "}")
+            if self.syntax.at_start:
+                at = buf.find("}")
+                if at >= 0:
+                    self._buf, self._phase = "", "skip_all"
+                return False
             at = buf.find(END)
             if at < 0:
                 return False
             self._buf, self._phase = buf[at + len(END):], "between"
             return True
+        return False
+
+    def _at_start_content(self, events: list[tuple]) -> bool:
+        """Content of a syntax whose calls are the whole reply: until the first non-blank character, hold; a ``{``
+        opens the call; anything else makes the whole reply content (trailing whitespace held, as always)."""
+        buf = self._buf
+        if self._phase == "content":
+            stripped = buf.lstrip()
+            if not stripped:
+                return False
+            if stripped[0] == "{":
+                self._held_ws, self._block = buf[:len(buf) - len(stripped)], ""
+                self._buf, self._phase = stripped, "head"
+                return True
+            self._phase = "text"
+        out = buf.rstrip()
+        self._content(events, out)
+        self._buf = buf[len(out):]
         return False
 
     def _whole_block(self, events: list[tuple], block: str) -> None:
@@ -221,6 +262,12 @@ class ToolCallParser:
             self._phase = "between"
 
 
+def _may_begin(text: str, prefix: str) -> bool:
+    """Whether ``text`` and ``prefix`` agree as far as both go."""
+    n = min(len(text), len(prefix))
+    return text[:n] == prefix[:n]
+
+
 def _partial_suffix(text: str, word: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of ``word``."""
     for k in range(min(len(word) - 1, len(text)), 0, -1):
@@ -238,7 +285,7 @@ class ToolReply:
     parser: ToolCallParser = field(init=False)
 
     def __post_init__(self):
-        self.parser = ToolCallParser(single=self.plan.single)
+        self.parser = ToolCallParser(single=self.plan.single, syntax=self.plan.syntax)
 
     def deltas(self, text: str, final: bool = False) -> list[dict]:
         """The chat deltas (``content`` / ``tool_calls`` or legacy ``function_call`` pieces) for newly generated

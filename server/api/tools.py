@@ -2,8 +2,12 @@
 grammar that constrains the calls is ``server.api.tool_grammar``, and the generated text is parsed back into
 OpenAI's ``tool_calls`` (or legacy ``function_call``), streamed or not, by ``server.api.tool_parser``.
 
-The call format, for every model (a template that knows tools renders their descriptions its own way; the calls are
-the same)::
+The call format (``CallSyntax``) is the model's own, read from its chat template: Llama 3.x templates (which render
+tools as JSON and calls as ``{"name": ..., "parameters": ...}``) get Llama 3's JSON calls, the whole reply one call::
+
+    {"name": "NAME", "parameters": {...}}
+
+every other model (Hermes, Qwen 2.5 / 3, SmolLM, a template without tools) the Hermes / Qwen blocks::
 
     <tool_call>
     {"name": "NAME", "arguments": {...}}
@@ -39,6 +43,23 @@ def new_call_id() -> str:
 
 
 @dataclass(frozen=True)
+class CallSyntax:
+    """How a model writes its calls: ``name`` as vLLM's tool parsers call it; ``args_key`` the key of the arguments
+    object; ``at_start``: a reply that calls is nothing but its calls, which begin at its first character (no
+    trigger text: the JSON object's opening brace decides); ``parallel``: several calls in one reply."""
+
+    name: str
+    args_key: str = "arguments"
+    at_start: bool = False
+    parallel: bool = True
+
+
+HERMES = CallSyntax("hermes")
+LLAMA3_JSON = CallSyntax("llama3_json", args_key="parameters", at_start=True, parallel=False)
+SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON)}
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     """What a chat request asks of tools: the functions, the choice, whether calls may come several at a time, and
     whether it came in the legacy ``functions`` shape (the reply is then one ``function_call``)."""
@@ -47,6 +68,7 @@ class ToolPlan:
     choice: ToolChoice
     parallel: bool = True
     legacy: bool = False
+    syntax: CallSyntax = HERMES
 
     @property
     def active(self) -> bool:
@@ -55,8 +77,9 @@ class ToolPlan:
 
     @property
     def single(self) -> bool:
-        """At most one call: `parallel_tool_calls` false, a named function, or the legacy shape."""
-        return not self.parallel or self.legacy or self.choice.mode == "named"
+        """At most one call: `parallel_tool_calls` false, a named function, the legacy shape, or a call syntax of
+        one call per reply."""
+        return not self.parallel or self.legacy or self.choice.mode == "named" or not self.syntax.parallel
 
     def finish_reason(self, finish: str | None, calls: int) -> str | None:
         """OpenAI's finish reason: 'tool_calls' ('function_call' in the legacy shape) when the model ended on its
@@ -67,12 +90,28 @@ class ToolPlan:
 
 
 # -- the prompt --------------------------------------------------------------------------------------------------
-def template_knows_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders tools itself (it reads a `tools` variable)."""
+def _template(tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and re.search(r"\btools\b", template) is not None
+    return template if isinstance(template, str) else None
+
+
+def template_knows_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tools itself (it reads a `tools` variable)."""
+    template = _template(tokenizer)
+    return template is not None and re.search(r"\btools\b", template) is not None
+
+
+def template_call_syntax(tokenizer) -> CallSyntax:
+    """The call syntax the model was trained on, as its chat template writes calls: a Llama 3.x template (header
+    tokens, calls rendered with a ``"parameters"`` key, no ``<tool_call>`` blocks) -> ``LLAMA3_JSON``; any other ->
+    ``HERMES`` (also what the system message describes where the template knows no tools)."""
+    template = _template(tokenizer)
+    if (template is not None and template_knows_tools(tokenizer) and "<tool_call>" not in template
+            and "<|start_header_id|>" in template and '"parameters"' in template):
+        return LLAMA3_JSON
+    return HERMES
 
 
 def tools_prompt(tools: list[ToolSpec]) -> str:

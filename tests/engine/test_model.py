@@ -70,15 +70,17 @@ def test_tiny_llama_variants_match_transformers(tmp_path, rope_scaling, tie):
     torch.testing.assert_close(_logits(engine, ids), ref, atol=2e-4, rtol=1e-4)
 
 
-def test_cached_load_reuses_conversion(fp32_config, target32):
-    """The second load reads the converted cache: same directory, no re-conversion."""
+def test_cached_load_reuses_the_files_metadata(fp32_config, target32):
+    """The second load reads the GGUF file's metadata from the cache (same directory, nothing read again), and
+    the cache holds no weights: those are read from the file."""
     from server.model_files import resolve_model
 
-    before = (target32.hf_dir / "model.safetensors").stat().st_mtime_ns
+    files = ("config.json", "tokenizer.json", "gguf-tensors.json")
+    before = {n: (target32.hf_dir / n).stat().st_mtime_ns for n in files}
     again = resolve_model(fp32_config.model.source, fp32_config.model.cache_dir, progress=False)
-    assert again.hf_dir == target32.hf_dir
-    assert (again.hf_dir / "model.safetensors").stat().st_mtime_ns == before
-    assert {"config.json", "tokenizer.json"} <= {p.name for p in again.hf_dir.iterdir()}
+    assert again.hf_dir == target32.hf_dir and again.gguf == target32.gguf
+    assert {n: (again.hf_dir / n).stat().st_mtime_ns for n in files} == before
+    assert not [p for p in again.hf_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")]
 
 
 def test_unsupported_architecture_is_rejected(tmp_path):
