@@ -26,9 +26,12 @@ class IncrementalDetokenizer:
     CONTEXT = 4  # tokens of context kept when the window slides
     SLIDE_AT = 16  # window length (tokens) from which it slides forward
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, keep: tuple[int, ...] = ()):
+        """``keep``: special tokens whose text stays while the others are skipped (a tool-call trigger)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._keep = frozenset(keep)
+        self._special = frozenset(special_ids(tokenizer)) - self._keep if self._keep else frozenset()
         # a fast tokenizer without transformers' space clean-up decodes straight through its Rust backend, which is
         # what tokenizer.decode calls after a few layers of argument handling (a third of this class's time per token)
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -40,9 +43,17 @@ class IncrementalDetokenizer:
         self.holding = False  # whether the tokens so far end inside a character (its text is held back)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._keep:
+            return self._decode_keeping(ids)
         if self._backend_decode is not None:
             return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_keeping(self, ids: list[int]) -> str:
+        ids = [i for i in ids if i not in self._special]
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def add(self, token_ids: list[int]) -> str:
         """Append ``token_ids``; return the text that became final (possibly "")."""
@@ -70,6 +81,14 @@ class IncrementalDetokenizer:
         self._emitted = len(text)
         self.holding = False
         return delta
+
+
+def special_ids(tokenizer) -> set[int]:
+    """The tokenizer's special tokens: the named ones and every added token marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    ids |= {int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+            if getattr(t, "special", False)}
+    return ids
 
 
 class StopStringMatcher:

@@ -165,7 +165,7 @@ class Generation:
             self.finish_reason = "length"
             yield Delta(self.echo or "", "length")
             return
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, keep=self.sampling.get("keep_special", ()))
         stops = StopStringMatcher(self.sampling.get("stop") or [])
         ends: list[int] = []  # ends[i]: characters of text once token i (or its message, without stops) was decoded
         whole: list[bool] = []  # whole[i]: the bytes through token i end on a character boundary

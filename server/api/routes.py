@@ -230,8 +230,11 @@ def _submit(s, request: Request, req, sampling: dict, prompt_ids: list[int], ech
                        "max_tokens", "context_length_exceeded")
     request_id = new_request_id("req")
     namespace = cache_namespace(request.state.cache_partition, req.cache_salt, s.cfg.cache.prefix_caching, request_id)
+    plan = req.tool_plan(s.call_syntax) if isinstance(req, ChatCompletionRequest) else None
+    # a call syntax whose trigger is a special token (Mistral's [TOOL_CALLS]): the reply's text keeps that token
+    keep = (plan.syntax.trigger_id,) if plan is not None and plan.active and plan.syntax.trigger_id is not None else ()
     group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids,
-                    {**sampling, "max_tokens": max_tokens, "grammar": grammar},
+                    {**sampling, "max_tokens": max_tokens, "grammar": grammar, "keep_special": keep},
                     [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
                     request_id=request_id, echo=echo)
     group.submit()

@@ -20,7 +20,9 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     - auto: free text until ``<tool_call>`` appears (a lazy trigger), then the call as above; or, with a JSON
       ``answer`` format, either that JSON or the calls from the first token.
     In Llama 3's JSON syntax (``plan.syntax.at_start``) a call is the whole reply and has no tags: under auto the
-    reply is one call or text that does not begin with ``{``.
+    reply is one call or text that does not begin with ``{``. In Mistral's (``plan.syntax.opening``) the calls are
+    one JSON list after ``[TOOL_CALLS]`` (the special token itself where the tokenizer has it), text before it
+    under auto.
     Arguments follow each function's ``parameters`` schema, with the compact separators of ``core.grammar``.
     """
     if not plan.active:
@@ -48,6 +50,21 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
             rules = []
         else:
             start = ["start: TEXT | body", "TEXT: /\\s*([^\\s{](.|\\n)*)?/"]
+        return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
+    if syntax.opening:  # calls as one JSON list after the trigger (Mistral)
+        trigger = f"<[{syntax.trigger_id}]>" if syntax.trigger_id is not None else _lit(syntax.trigger)
+        more = "" if plan.single else f" ({_lit(', ')} body)*"
+        calls = f"{_lit(syntax.opening)} body{more} {_lit(']')}"
+        if plan.choice.mode in ("named", "required"):
+            start = [f"start: {trigger} {calls}"]
+        elif answer is not None and answer.constrained:
+            schema = None if answer.type == "json_object" else answer.schema
+            start = [f"start: answer | {trigger} {calls}", f"answer: {json_schema_lark(schema)}"]
+        elif syntax.trigger_id is not None:  # a special token ends the text by itself (it is no terminal's)
+            start = [f"start: TEXT | TEXT {trigger} {calls}", "TEXT: /(.|\\n)*/"]
+        else:
+            start = ["start: TEXT | first", f"first_hd[lazy]: TEXT {trigger}", f"first: first_hd {calls}",
+                     "TEXT: /(.|\\n)*/"]
         return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
     call = f'{_lit(TRIGGER + chr(10))} body {_lit(chr(10) + END)}'
     more = "" if plan.single else f' ({_lit(chr(10))} call)* {_lit(chr(10))}?'

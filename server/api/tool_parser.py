@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.structured import dumps
-from server.api.tools import END, HERMES, TRIGGER, CallSyntax, ToolPlan, new_call_id
+from server.api.tools import END, HERMES, TRIGGER, CallSyntax, ToolPlan
 
 
 def _head(key: str) -> re.Pattern:
@@ -114,8 +114,8 @@ class ToolCallParser:
         events: list[tuple] = []
         if self._phase in ("content", "text"):
             self._content(events, self._buf)
-        elif self._phase == "head" and not self.calls:
-            self._content(events, self._held_ws + ("" if self.syntax.at_start else TRIGGER) + self._block + self._buf)
+        elif self._phase in ("head", "open") and not self.calls:
+            self._content(events, self._held_ws + self.syntax.trigger + self._block + self._buf)
         self._buf = ""
         self._phase = "between"
         return events
@@ -133,10 +133,11 @@ class ToolCallParser:
         buf = self._buf
         if self._phase == "text" or (self._phase == "content" and self.syntax.at_start):
             return self._at_start_content(events)
+        trigger = self.syntax.trigger
         if self._phase in ("content", "between"):
-            at = buf.find(TRIGGER)
+            at = buf.find(trigger)
             if at < 0:
-                keep = _partial_suffix(buf, TRIGGER)
+                keep = _partial_suffix(buf, trigger)
                 if self._phase == "content":
                     out = buf[:len(buf) - keep]
                     stripped = out.rstrip()
@@ -150,9 +151,29 @@ class ToolCallParser:
                 stripped = before.rstrip()
                 self._content(events, stripped)
                 self._held_ws = before[len(stripped):]
-            self._buf, self._block, self._phase = buf[at + len(TRIGGER):], "", "head"
+            self._buf, self._block = buf[at + len(trigger):], ""
+            self._phase = "open" if self.syntax.opening else "head"
             if self.single and self.calls:
                 self._phase = "skip"
+            return True
+        if self._phase == "open":  # a list syntax: blanks, then the list's "["
+            rest = buf.lstrip()
+            if not rest:
+                return False
+            if rest[0] == "[":
+                self._buf, self._phase = rest[1:], "head"
+            else:  # no list after the trigger: the text as it came
+                self._content(events, self._held_ws + trigger + buf)
+                self._buf, self._phase = "", "content"
+            return True
+        if self._phase == "after":  # a list syntax, after a call: ", " and the next call, or "]"
+            rest = buf.lstrip()
+            if not rest:
+                return False
+            if rest[0] == "," and not self.single:
+                self._buf, self._block, self._phase = rest[1:], "", "head"
+            else:
+                self._buf, self._phase = "", "skip_all"
             return True
         if self._phase == "skip_all":  # after Llama 3's one call: nothing more is read
             self._buf = ""
@@ -175,7 +196,7 @@ class ToolCallParser:
                     name = json.loads(f'"{m.group(1)}"')
                 except ValueError:
                     name = m.group(1)
-                call = ParsedCall(new_call_id(), name)
+                call = ParsedCall(self.syntax.new_call_id(), name)
                 self.calls.append(call)
                 events.append(("call", len(self.calls) - 1, call.id, name))
                 self._phase, self._scanner = "args", _ValueScanner()
@@ -206,12 +227,13 @@ class ToolCallParser:
                 self._phase = "tail"
                 return True
             return False
-        if self._phase == "tail":  # the call's closing "}" and END (at_start: only the "}")
-            if self.syntax.at_start:
+        if self._phase == "tail":  # the call's closing "}", and in the Hermes syntax END
+            if self.syntax.trigger != TRIGGER:
                 at = buf.find("}")
-                if at >= 0:
-                    self._buf, self._phase = "", "skip_all"
-                return False
+                if at < 0:
+                    return False
+                self._buf, self._phase = buf[at + 1:], ("after" if self.syntax.opening else "skip_all")
+                return True
             at = buf.find(END)
             if at < 0:
                 return False
@@ -248,7 +270,7 @@ class ToolCallParser:
         if isinstance(value, dict) and isinstance(value.get("name"), str):
             args = value.get("arguments", value.get("parameters", {}))
             args = args if isinstance(args, str) else dumps(args)
-            call = ParsedCall(new_call_id(), value["name"], args)
+            call = ParsedCall(self.syntax.new_call_id(), value["name"], args)
             self.calls.append(call)
             events.append(("call", len(self.calls) - 1, call.id, call.name))
             if args:

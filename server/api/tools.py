@@ -28,9 +28,10 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from server.api.detokenizer import special_ids
 from server.api.structured import ToolChoice, ToolSpec, dumps
 
 TRIGGER = "<tool_call>"
@@ -38,25 +39,40 @@ END = "</tool_call>"
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
 @dataclass(frozen=True)
 class CallSyntax:
     """How a model writes its calls: ``name`` as vLLM's tool parsers call it; ``args_key`` the key of the arguments
     object; ``at_start``: a reply that calls is nothing but its calls, which begin at its first character (no
-    trigger text: the JSON object's opening brace decides); ``parallel``: several calls in one reply."""
+    trigger text: the JSON object's opening brace decides); ``parallel``: several calls in one reply.
+
+    ``trigger`` opens the calls (Hermes: each call); a list syntax (``opening`` set: Mistral's ``[TOOL_CALLS] [``)
+    writes its calls as one JSON list after it. ``trigger_id``: the token the trigger is, where the tokenizer has it
+    as one special token (the grammar then names the token, and the reply's text keeps it). ``id_length``: the call
+    ids' length where the template demands one (Mistral's: 9 letters or digits), else OpenAI's ``call_`` + 24."""
 
     name: str
     args_key: str = "arguments"
     at_start: bool = False
     parallel: bool = True
+    trigger: str = "<tool_call>"
+    opening: str = ""
+    trigger_id: int | None = None
+    id_length: int | None = None
+
+    def new_call_id(self) -> str:
+        if self.id_length is not None:
+            return "".join(secrets.choice(_ID_ALPHABET) for _ in range(self.id_length))
+        return new_call_id()
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 HERMES = CallSyntax("hermes")
-LLAMA3_JSON = CallSyntax("llama3_json", args_key="parameters", at_start=True, parallel=False)
-SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON)}
+LLAMA3_JSON = CallSyntax("llama3_json", args_key="parameters", at_start=True, parallel=False, trigger="")
+MISTRAL = CallSyntax("mistral", trigger="[TOOL_CALLS]", opening=" [", id_length=9)
+SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
 @dataclass(frozen=True)
@@ -104,12 +120,20 @@ def template_knows_tools(tokenizer) -> bool:
 
 
 def template_call_syntax(tokenizer) -> CallSyntax:
-    """The call syntax the model was trained on, as its chat template writes calls: a Llama 3.x template (header
-    tokens, calls rendered with a ``"parameters"`` key, no ``<tool_call>`` blocks) -> ``LLAMA3_JSON``; any other ->
-    ``HERMES`` (also what the system message describes where the template knows no tools)."""
+    """The call syntax the model was trained on, as its chat template writes calls: a Mistral template (calls after
+    ``[TOOL_CALLS]``) -> ``MISTRAL`` (with the template's own spacing before the list, and the trigger's token id
+    where it is one special token); a Llama 3.x template (header tokens, calls rendered with a ``"parameters"`` key,
+    no ``<tool_call>`` blocks) -> ``LLAMA3_JSON``; any other -> ``HERMES`` (also what the system message describes
+    where the template knows no tools)."""
     template = _template(tokenizer)
-    if (template is not None and template_knows_tools(tokenizer) and "<tool_call>" not in template
-            and "<|start_header_id|>" in template and '"parameters"' in template):
+    if template is None or not template_knows_tools(tokenizer) or "<tool_call>" in template:
+        return HERMES
+    if MISTRAL.trigger in template:
+        tid = tokenizer.convert_tokens_to_ids(MISTRAL.trigger)
+        special = tid is not None and tid in special_ids(tokenizer)
+        return replace(MISTRAL, opening=" [" if MISTRAL.trigger + " [" in template else "[",
+                       trigger_id=int(tid) if special else None)
+    if "<|start_header_id|>" in template and '"parameters"' in template:
         return LLAMA3_JSON
     return HERMES
 

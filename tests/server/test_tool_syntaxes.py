@@ -14,7 +14,7 @@ from core.grammar import GrammarTokenizer, lark_grammar
 from server.api.structured import ResponseFormat, ToolChoice
 from server.api.tool_grammar import tool_grammar_lark
 from server.api.tool_parser import ToolCallParser
-from server.api.tools import HERMES, LLAMA3_JSON, ToolPlan, template_call_syntax
+from server.api.tools import HERMES, LLAMA3_JSON, MISTRAL, ToolPlan, template_call_syntax
 from tests.server.scripted import MODEL, ScriptWorker, make_client
 from tests.server.tool_specs import ADD, NOARGS, WEATHER
 
@@ -201,3 +201,109 @@ def test_with_a_json_answer_format_references_in_the_arguments_still_resolve(gto
     assert accepts(gtok, tokenizer, g, llama_call("tree", {"v": 1, "kids": [{"v": "x"}]}))[0] is False
     assert accepts(gtok, tokenizer, g, '{"n": 5}') == (True, True)
     assert accepts(gtok, tokenizer, g, '{"m": 5}')[0] is False
+
+
+# -- Mistral: [TOOL_CALLS] and a JSON list ------------------------------------------------------------------------
+# The parts of Mistral 7B Instruct v0.3's template that decide its tool syntax: [AVAILABLE_TOOLS], calls after
+# [TOOL_CALLS] as one JSON list whose ids must be 9 letters or digits, results in [TOOL_RESULTS].
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- if tools is not none and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "[INST] {{ m.content }}[/INST]"
+    "{%- elif m.tool_calls is defined and m.tool_calls is not none %}[TOOL_CALLS] ["
+    "{%- for tc in m.tool_calls %}{%- set out = tc.function | tojson %}{{- out[:-1] }}"
+    "{%- if tc.id is not defined or tc.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- ', \"id\": \"' + tc.id + '\"}' }}{%- if not loop.last %}, {% endif %}{%- endfor %}]{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": "
+    "\"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- else %}{{ m.content }}{{ eos_token }}{%- endif %}{%- endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral_tok(tokenizer):
+    tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.chat_template = MISTRAL_TEMPLATE
+    return tok
+
+
+def mistral_calls(*calls) -> str:
+    return "[TOOL_CALLS] [" + ", ".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
+
+
+def test_mistral_is_read_from_the_template(mistral_tok):
+    syntax = template_call_syntax(mistral_tok)
+    assert syntax.name == "mistral" and syntax.opening == " ["
+    assert syntax.trigger_id == mistral_tok.convert_tokens_to_ids("[TOOL_CALLS]") >= len(mistral_tok) - 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_mistral_list_of_calls_however_the_text_is_cut(seed):
+    text = "Checking. " + mistral_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Paris ]}\" {"}))
+    rng = random.Random(seed)
+    p = ToolCallParser(syntax=MISTRAL)
+    events, at = [], 0
+    for n in [rng.randint(0, 4) for _ in range(len(text))]:
+        events += p.feed(text[at:at + n])
+        at += n
+    events += p.feed(text[at:]) + p.finish()
+    assert "".join(e[1] for e in events if e[0] == "content") == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in p.calls] == [("add", {"a": 3, "b": 4}),
+                                                                     ("get_weather", {"city": "Paris ]}\" {"})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in p.calls)  # as its template demands
+
+
+def test_mistral_grammars_name_the_special_token(mistral_tok, stops):
+    gt = GrammarTokenizer(mistral_tok, len(mistral_tok), stops)
+    syntax = template_call_syntax(mistral_tok)
+
+    def grammar(mode, parallel=True):
+        plan = ToolPlan([ADD, WEATHER], ToolChoice(mode, "add" if mode == "named" else None), parallel=parallel,
+                        syntax=syntax)
+        g = lark_grammar(tool_grammar_lark(plan))
+        gt.validate(g)
+        return g
+
+    two = mistral_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"}))
+    auto, one_only, named = grammar("auto"), grammar("auto", parallel=False), grammar("named")
+    assert accepts(gt, mistral_tok, auto, "Just text.") == (True, True)
+    assert accepts(gt, mistral_tok, auto, "Text " + two) == (True, True)
+    assert accepts(gt, mistral_tok, one_only, two)[0] is False
+    assert accepts(gt, mistral_tok, one_only, mistral_calls(("add", {"a": 3, "b": 4}))) == (True, True)
+    m = gt.matcher(named)
+    assert m.forced()[0] == syntax.trigger_id  # the token itself, not its spelling in other tokens
+    assert mistral_tok.decode(m.forced()).startswith('[TOOL_CALLS] [{"name": "add", "arguments": {"a":')
+
+
+def test_mistral_calls_through_the_openai_sdk(mistral_tok):
+    import msgspec
+
+    text = mistral_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"}))
+    worker = scripted(mistral_tok, text)
+    worker.ready = msgspec.structs.replace(worker.ready, vocab_size=len(mistral_tok))
+    client = sdk(worker, mistral_tok)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60)
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"})]
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "7"},
+                     {"role": "tool", "tool_call_id": calls[1].id, "content": "sunny"}]
+    worker2 = scripted(mistral_tok, "7, and sunny.")
+    worker2.ready = worker.ready
+    r2 = sdk(worker2, mistral_tok).chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                                           max_tokens=20)
+    assert r2.choices[0].message.content == "7, and sunny."
+    prompt = mistral_tok.decode(worker2.generates[0].prompt_ids)  # the template accepted the ids we made
+    assert f'"id": "{calls[0].id}"' in prompt and f'"call_id": "{calls[1].id}"' in prompt
+
+
+def test_mistral_grammar_where_the_trigger_is_plain_text(gtok, tokenizer):
+    """A tokenizer without [TOOL_CALLS] as a token: the trigger is text, found by a lazy lexeme as <tool_call> is."""
+    plan = ToolPlan([ADD], ToolChoice("auto"), syntax=MISTRAL)
+    g = lark_grammar(tool_grammar_lark(plan))
+    gtok.validate(g)
+    assert accepts(gtok, tokenizer, g, "Text " + mistral_calls(("add", {"a": 3, "b": 4}))) == (True, True)
+    assert accepts(gtok, tokenizer, g, "Text [TOOL_CALLS] no list")[0] is False
