@@ -25,7 +25,10 @@ from tests.conftest import bias_row
 from tests.lossless import accepted_tokens
 
 MAX_NEW = 24
-LOGPROB_TOL_FP32 = 1e-4  # dense float32 target: a tree row against the same position decoded alone
+# dense float32 target: a tree row against the same position decoded alone. Which GEMM each shape runs is measured
+# at load (row-invariant kernels first, then speed), so the summation orders, and the differences, vary from run to
+# run: up to 1.1e-4 seen on a 2-core EPYC (AVX2); the planted bugs move logprobs by far more.
+LOGPROB_TOL_FP32 = 5e-4
 TEXTS = [("chat", "Repeat the word banana ten times, separated by commas."),
          ("text", "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat sat on"),
          ("text", "def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n    return a + b + c\n\n\ndef add4(")]
@@ -210,8 +213,9 @@ def test_planted_shaping_bugs_are_caught(bug, processed, texts, samplings, stops
     cfg, target = processed
     got = _run(Engine(cfg, create_drafter("ngram", target), target), texts, {"greedy": samplings["greedy"]}, stops)
     want = {k: v for k, v in plain_int4.items() if k[0] == "greedy"}
+    tol = 0.0 if Engine(cfg, target=target).exact_cpu else LOGPROB_TOL_FP32  # as the check above reads it
     with pytest.raises(AssertionError):
-        assert_same(got, want, 0.0, bug)
+        assert_same(got, want, tol, bug)
 
 
 def _scored(engine, prompt, out) -> list[float]:

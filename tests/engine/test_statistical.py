@@ -1,4 +1,5 @@
-"""Speculative sampling through the real engine matches the target distribution (tiny random Llama).
+"""Speculative sampling through the real engine matches the target distribution (tiny random Llama), the runs
+stepped 32 at a time as a served batch is.
 
 For a fixed context, the joint distribution of the next two tokens under speculative sampling with random trees
 and random draft distributions q must equal p(t1) * p(t2 | t1) computed exactly from the model. A broken
@@ -14,12 +15,14 @@ from core.sampling import SamplingParams, target_probs
 from core.tree import DraftTree
 from server.config import config_from_dict
 from server.engine import Engine, load_engine
+from server.engine.step import StepPlan
 from tests.conftest import chi2_pvalue
 from tests.engine.tree_drafters import RandomQTreeDrafter
 
 pytestmark = pytest.mark.statistical
 
 V = 16
+SLOTS = 32  # runs stepped together
 PROMPT = [3, 7, 1, 12, 5, 9]
 
 
@@ -31,17 +34,28 @@ def exact_joint(engine: Engine, seq, sp: SamplingParams) -> torch.Tensor:
     return p[0][:, None] * p[1:]
 
 
-def sample_pairs(engine: Engine, seq, sp: SamplingParams, n: int) -> torch.Tensor:
-    """Counts [V, V] of the first two generated tokens over n independent speculative runs from one prefill."""
-    base_tokens, base_len = list(seq.token_ids), seq.cache_len
+def sample_pairs(engine: Engine, seqs: list, n: int) -> torch.Tensor:
+    """Counts [V, V] of the first two generated tokens over n independent speculative runs, ``len(seqs)`` at a
+    time: every sequence holds the same prefilled context in its own slot, and each run restarts one of them from
+    it with a seed of its own; the sequences step together, as a served batch does (``Engine.run``)."""
+    base = [(list(s.token_ids), s.cache_len) for s in seqs]
     counts = torch.zeros(V, V)
-    for i in range(n):
-        seq.token_ids, seq.cache_len, seq.finish_reason = list(base_tokens), base_len, None
-        seq.generator.manual_seed(10_000 + i)
-        out = []
-        while len(out) < 2:
-            out += engine.step(seq)
-        counts[out[0], out[1]] += 1
+    for first in range(0, n, len(seqs)):
+        live = seqs[:min(len(seqs), n - first)]
+        out: dict[int, list[int]] = {}
+        for j, s in enumerate(live):
+            s.token_ids, s.cache_len, s.finish_reason = list(base[j][0]), base[j][1], None
+            s.generator.manual_seed(10_000 + first + j)
+            out[s.seq_id] = []
+        todo = list(live)
+        while todo:
+            result = engine.run(StepPlan(decode=todo))
+            assert not result.failed, result.failed
+            for s in todo:
+                out[s.seq_id] += result.emitted[s.seq_id]
+            todo = [s for s in todo if len(out[s.seq_id]) < 2]
+        for s in live:
+            counts[out[s.seq_id][0], out[s.seq_id][1]] += 1
     return counts
 
 
@@ -51,26 +65,30 @@ def engine(tiny_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = config_from_dict({"model": {"source": str(tiny_dir), "dtype": "float32", "device": "cpu"},
-                            "cache": {"num_slots": 1, "max_seq_len": 64}})
+                            "cache": {"num_slots": SLOTS, "max_seq_len": 64}})
     yield load_engine(cfg, RandomQTreeDrafter(V, max_rows=12, seed=0))
     torch.set_num_threads(threads)
 
 
-def _prefilled(engine: Engine, sp: SamplingParams):
-    seq = engine.add(PROMPT, SamplingParams(), max_new_tokens=50)  # greedy prefill: a fixed first token
-    engine.prefill(seq)
-    seq.sampling = sp
-    return seq
+def _prefilled(engine: Engine, sp: SamplingParams) -> list:
+    seqs = []
+    for _ in range(SLOTS):
+        seq = engine.add(PROMPT, SamplingParams(), max_new_tokens=50)  # greedy prefill: a fixed first token
+        engine.prefill(seq)
+        seq.sampling = sp
+        seqs.append(seq)
+    return seqs
 
 
 def speculative_pvalue(engine: Engine, sp: SamplingParams, n: int = 10_000) -> float:
     """Chi-square p-value of n speculative (t1, t2) draws against the exact joint, from one prefilled context."""
-    seq = _prefilled(engine, sp)
+    seqs = _prefilled(engine, sp)
     try:
-        joint = exact_joint(engine, seq, sp)  # first: sampling moves the sequence on from the prefilled context
-        return chi2_pvalue(sample_pairs(engine, seq, sp, n), joint)
+        joint = exact_joint(engine, seqs[0], sp)  # first: sampling moves a sequence on from the prefilled context
+        return chi2_pvalue(sample_pairs(engine, seqs, n), joint)
     finally:
-        engine.release(seq)
+        for seq in seqs:
+            engine.release(seq)
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0),
