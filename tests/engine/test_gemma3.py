@@ -9,7 +9,7 @@ import torch
 from drafters.base import create_drafter
 from server.config import config_from_dict
 from server.engine import Engine, load_target
-from server.model_files import load_tokenizer, resolve_model
+from server.model_files import load_tokenizer
 from tests.lossless import assert_lossless, plain_tokens
 
 pytestmark = pytest.mark.slow
@@ -91,23 +91,24 @@ def test_the_files_k_quant_blocks_read_as_gguf_dequantizes_them(gemma):
     import numpy as np
 
     from server.engine.weights import gguf_linear_blocks
+    from server.gguf_file import GGUFFile
 
-    cfg = gemma[0]
-    path = resolve_model("gemma3-270m", cfg.model.cache_dir, progress=False).gguf
-    blocks = gguf_linear_blocks(path)
-    reader = gguf.GGUFReader(path)
+    target = gemma[1]
+    f = GGUFFile.open(target.gguf, target.hf_dir)  # the file's index (offsets and types as gguf's reader found them)
+    blocks = gguf_linear_blocks(f)
     kinds = {}
-    for t in reader.tensors:
+    for t in f.tensors:
         parts = t.name.split(".")
         name = ("model.embed_tokens.weight" if t.name == "token_embd.weight" else
                 f"model.layers.{parts[1]}.self_attn.o_proj.weight" if parts[2:] == ["attn_output", "weight"] else
                 f"model.layers.{parts[1]}.self_attn.q_proj.weight" if parts[2:] == ["attn_q", "weight"] else None)
-        kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+        kinds[t.type] = kinds.get(t.type, 0) + 1
         if name is None or t.name.startswith("blk.") and parts[1] not in ("0", "17"):
             continue
         b = blocks[name]
         N, K = b.q.shape
         ours = (b.d[..., None] * b.q.view(N, K // 32, 32).float() + b.m[..., None]).view(N, K).numpy()
-        assert np.array_equal(ours, gguf.quants.dequantize(t.data, t.tensor_type)), t.name
+        want = gguf.quants.dequantize(f.raw(t), gguf.GGMLQuantizationType[t.type])
+        assert np.array_equal(ours, want), t.name
     assert {"Q4_K", "Q5_0", "Q8_0", "Q6_K"} <= set(kinds)
     assert len(blocks) == sum(kinds[k] for k in ("Q4_K", "Q5_0", "Q8_0"))
