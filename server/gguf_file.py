@@ -131,14 +131,15 @@ class GGUFFile:
             name = self.hf_name(t)
             if name is None:
                 continue
-            w = dequantize(self.raw(t), GGMLQuantizationType[t.type])
-            w = np.asarray(w, dtype=np.float32)
+            w = np.asarray(dequantize(self.raw(t), GGMLQuantizationType[t.type]), dtype=np.float32)
+            if not w.flags.writeable:  # F32 de-quantizes to a view of the read-only map: the tensor gets a copy
+                w = w.copy()
             heads = self.rope_row_heads(t)
             if heads is not None:
                 w = unpermute_rope_rows(w, heads)
             if self.architecture == "gemma3" and "norm.weight" in t.name:
                 w = w - np.float32(1)
-            x = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            x = torch.from_numpy(w)
             yield name, (x if dtype == torch.float32 or x.dim() < 2 else x.to(dtype))
 
 

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 import torch
 
@@ -46,6 +47,11 @@ class ResolvedModel:
     model_id: str   # stable name of the target, used for checkpoints and the API's model name
     hf_dir: Path    # config.json and tokenizer files, and the weights' safetensors unless the source is a GGUF file
     gguf: Path | None = None  # the GGUF file holding the weights, if any (hf_dir then holds its metadata)
+
+    @cached_property
+    def gguf_file(self) -> GGUFFile | None:
+        """The GGUF file's tensor index (kept in ``hf_dir``), or None for a Hugging Face directory."""
+        return GGUFFile.open(self.gguf, self.hf_dir) if self.gguf is not None else None
 
 
 CACHE_ENV = "SPECSERVE_CACHE_DIR"

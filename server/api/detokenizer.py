@@ -43,17 +43,12 @@ class IncrementalDetokenizer:
         self.holding = False  # whether the tokens so far end inside a character (its text is held back)
 
     def _decode(self, ids: list[int]) -> str:
-        if self._keep:
-            return self._decode_keeping(ids)
+        skip = self.skip_special_tokens
+        if self._keep:  # the other special tokens dropped here, the kept ones decoded
+            ids, skip = [i for i in ids if i not in self._special], False
         if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _decode_keeping(self, ids: list[int]) -> str:
-        ids = [i for i in ids if i not in self._special]
-        if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=False)
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+            return self._backend_decode(ids, skip_special_tokens=skip)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def add(self, token_ids: list[int]) -> str:
         """Append ``token_ids``; return the text that became final (possibly "")."""

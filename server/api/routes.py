@@ -194,8 +194,8 @@ def _admit(s, pool: PrepPool, req) -> dict:
     return sampling
 
 
-async def _prepare(s, request: Request, req, prepare: Callable[[], tuple[list[int], str | None, str | None]]
-                   ) -> Choices:
+async def _prepare(s, request: Request, req, prepare: Callable[[], tuple[list[int], str | None, str | None]],
+                   keep_special: tuple[int, ...] = ()) -> Choices:
     """Admit the request (`_admit`), run `prepare()` -> (prompt ids, grammar, echo) in the preparation pool, then
     the context checks and submission of its n choices to the worker (`echo`: the prompt text each choice's text
     starts with; `grammar`: what the output must match). (No check for a draining server: on SIGTERM uvicorn closes
@@ -206,14 +206,15 @@ async def _prepare(s, request: Request, req, prepare: Callable[[], tuple[list[in
     pool.reserved += choices
     try:
         prompt_ids, grammar, echo = await pool.run(prepare)
-        return _submit(s, request, req, sampling, prompt_ids, echo, grammar)
+        return _submit(s, request, req, sampling, prompt_ids, echo, grammar, keep_special)
     finally:
         pool.reserved -= choices
 
 
 def _submit(s, request: Request, req, sampling: dict, prompt_ids: list[int], echo: str | None,
-            grammar: str | None) -> Choices:
-    """Context checks and submission of the request's n choices to the worker."""
+            grammar: str | None, keep_special: tuple[int, ...] = ()) -> Choices:
+    """Context checks and submission of the request's n choices to the worker (``keep_special``: special tokens
+    the replies' text keeps, ``ToolPlan.kept_tokens``)."""
     choices = req.n
     ctx, n = s.cfg.cache.max_seq_len, len(prompt_ids)
     if n >= ctx:
@@ -230,11 +231,8 @@ def _submit(s, request: Request, req, sampling: dict, prompt_ids: list[int], ech
                        "max_tokens", "context_length_exceeded")
     request_id = new_request_id("req")
     namespace = cache_namespace(request.state.cache_partition, req.cache_salt, s.cfg.cache.prefix_caching, request_id)
-    plan = req.tool_plan(s.call_syntax) if isinstance(req, ChatCompletionRequest) else None
-    # a call syntax whose trigger is a special token (Mistral's [TOOL_CALLS]): the reply's text keeps that token
-    keep = (plan.syntax.trigger_id,) if plan is not None and plan.active and plan.syntax.trigger_id is not None else ()
     group = Choices(s.worker, s.tokenizer, s.metrics, prompt_ids,
-                    {**sampling, "max_tokens": max_tokens, "grammar": grammar, "keep_special": keep},
+                    {**sampling, "max_tokens": max_tokens, "grammar": grammar, "keep_special": keep_special},
                     [] if sampling.get("ignore_eos") else s.stop_token_ids, n=choices, namespace=namespace,
                     request_id=request_id, echo=echo)
     group.submit()
@@ -377,7 +375,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, _: Auth
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_request_error", "messages", None) from None
 
-    return await _respond(request, req, await _prepare(s, request, req, prepare), chat=True, plan=plan)
+    keep = plan.kept_tokens if plan is not None else ()
+    return await _respond(request, req, await _prepare(s, request, req, prepare, keep), chat=True, plan=plan)
 
 
 @router.post("/v1/completions", tags=["completions"])

@@ -32,6 +32,10 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
         tools = [t for t in tools if t.name == plan.choice.name]
     rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(tools)))}"]
     syntax = plan.syntax
+    # the rule of a JSON answer format (auto: that JSON, or the calls from the first token), if the request has one
+    answer_rule = None
+    if plan.choice.mode == "auto" and answer is not None and answer.constrained:
+        answer_rule = f"answer: {json_schema_lark(None if answer.type == 'json_object' else answer.schema)}"
     for i, t in enumerate(tools):
         head = '{"name": ' + dumps(t.name) + f', "{syntax.args_key}": '
         rules.append(f"body_{i}: {_lit(head)} args_{i} {_lit('}')}")
@@ -39,11 +43,10 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     if syntax.at_start:
         if plan.choice.mode in ("named", "required"):
             start = ["start: body"]
-        elif answer is not None and answer.constrained:
+        elif answer_rule is not None:
             # the answer and a call both begin with "{": llguidance tells two JSON grammars apart, not a JSON
             # grammar and a literal, so each call is a JSON schema here (its keys in order: name, then arguments)
-            schema = None if answer.type == "json_object" else answer.schema
-            start = ["start: answer | call", f"answer: {json_schema_lark(schema)}",
+            start = ["start: answer | call", answer_rule,
                      f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}",
                      *(f"call_{i}: {json_schema_lark(call_schema(t.name, syntax.args_key, t.arguments_schema()))}"
                        for i, t in enumerate(tools))]
@@ -57,9 +60,8 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
         calls = f"{_lit(syntax.opening)} body{more} {_lit(']')}"
         if plan.choice.mode in ("named", "required"):
             start = [f"start: {trigger} {calls}"]
-        elif answer is not None and answer.constrained:
-            schema = None if answer.type == "json_object" else answer.schema
-            start = [f"start: answer | {trigger} {calls}", f"answer: {json_schema_lark(schema)}"]
+        elif answer_rule is not None:
+            start = [f"start: answer | {trigger} {calls}", answer_rule]
         elif syntax.trigger_id is not None:  # a special token ends the text by itself (it is no terminal's)
             start = [f"start: TEXT | TEXT {trigger} {calls}", "TEXT: /(.|\\n)*/"]
         else:
@@ -70,10 +72,8 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     more = "" if plan.single else f' ({_lit(chr(10))} call)* {_lit(chr(10))}?'
     if plan.choice.mode in ("named", "required"):
         start = [f"start: call{more}"]
-    elif answer is not None and answer.constrained:
-        schema = None if answer.type == "json_object" else answer.schema
-        start = [f"start: answer | call{more}",
-                 f"answer: {json_schema_lark(schema)}"]
+    elif answer_rule is not None:
+        start = [f"start: answer | call{more}", answer_rule]
     else:
         start = [f"start: TEXT | first{more}",
                  f"first_hd[lazy]: TEXT {_lit(TRIGGER)}",

@@ -96,7 +96,9 @@ class ToolCallParser:
         self.syntax = syntax
         self._head_re = _head(syntax.args_key)
         self.calls: list[ParsedCall] = []
-        self._phase = "content"  # content | head | args | tail | between | skip (a block past the one call)
+        # content | head | args | tail | between | skip (a block past the one call); Llama 3: text (a reply with no
+        # call) | skip_all (after its call); a list syntax: open (before its "[") | after (between its calls)
+        self._phase = "content"
         self._buf = ""           # content: held text; head / tail / between: unprocessed text of the block
         self._held_ws = ""       # the whitespace held before a trigger (content again if the block is no call)
         self._block = ""         # the current block's text since the trigger (for a block that is no call)

@@ -72,7 +72,6 @@ def new_call_id() -> str:
 HERMES = CallSyntax("hermes")
 LLAMA3_JSON = CallSyntax("llama3_json", args_key="parameters", at_start=True, parallel=False, trigger="")
 MISTRAL = CallSyntax("mistral", trigger="[TOOL_CALLS]", opening=" [", id_length=9)
-SYNTAXES = {s.name: s for s in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,11 @@ class ToolPlan:
         """At most one call: `parallel_tool_calls` false, a named function, the legacy shape, or a call syntax of
         one call per reply."""
         return not self.parallel or self.legacy or self.choice.mode == "named" or not self.syntax.parallel
+
+    @property
+    def kept_tokens(self) -> tuple[int, ...]:
+        """Special tokens the reply's text keeps: the call trigger where it is one (Mistral's [TOOL_CALLS])."""
+        return (self.syntax.trigger_id,) if self.active and self.syntax.trigger_id is not None else ()
 
     def finish_reason(self, finish: str | None, calls: int) -> str | None:
         """OpenAI's finish reason: 'tool_calls' ('function_call' in the legacy shape) when the model ended on its

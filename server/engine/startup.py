@@ -24,7 +24,6 @@ from server.engine.quant import kernel_path, quantize_model, resolve_quantizatio
 from server.engine.stepcost import AUTO_ROWS, choose_dtype, choose_int4_form, step_curve, tune_linear
 from server.engine.target import Target, resolve_device
 from server.engine.weights import load_weights
-from server.gguf_file import GGUFFile
 from server.model_files import load_hf_config, resolve_model
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     dtype is the one a GGUF file's tensors are de-quantized into, one at a time (no float32 copy of the model).
     """
     resolved = resolve_model(cfg.model.source, cfg.model.cache_dir, progress=progress)
-    gguf = GGUFFile.open(resolved.gguf, resolved.hf_dir) if resolved.gguf is not None else None
+    gguf = resolved.gguf_file
     args = LlamaArgs.from_hf(load_hf_config(resolved.hf_dir))
     args.check_context(cfg.cache.max_seq_len)
     device = resolve_device(cfg.model.device)
@@ -64,7 +63,7 @@ def load_target(cfg: EngineConfig, progress: bool = True) -> Target:
     if name == "auto":
         name = choose_dtype(lambda d: measure_dtype(cfg, model, resolved, device, d), device,
                             cfg.model.quantization, resolved.hf_dir)
-    target = build_target(model, resolved, device, name, cfg.model.quantization, gguf)
+    target = build_target(model, resolved, device, name, cfg.model.quantization)
     target.quantization = cfg.model.quantization
     release_freed_memory()
     return target
@@ -79,14 +78,13 @@ def release_freed_memory() -> None:
         pass
 
 
-def build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str,
-                 gguf: GGUFFile | None = None) -> Target:
+def build_target(model: Llama, resolved, device: torch.device, dtype_name: str, quantization: str) -> Target:
     dtype = DTYPES[dtype_name]
     model = model.to(device=device, dtype=dtype)
     form = "packed"
     if quantization == "int4" and kernel_path(quantization, device) == "aten" and device.type == "cpu":
         form = choose_int4_form(widest_matrix(model), dtype, resolved.hf_dir)
-    kernels = quantize_model(model, quantization, dtype, gguf=gguf, int4_form=form)
+    kernels = quantize_model(model, quantization, dtype, gguf=resolved.gguf_file, int4_form=form)
     if quantization != "none":
         log.info("quantization %s on %s (%s kernels%s)", quantization, device, kernels,
                  ", int4 as dense matrices: the packed kernel measured slower here" if form == "dense" else "")
@@ -145,6 +143,5 @@ def measure_dtype(cfg: EngineConfig, model: Llama, resolved, device: torch.devic
                             cache=dataclasses.replace(cfg.cache, num_slots=1, max_seq_len=cached + max(rows) + 1),
                             drafter=dataclasses.replace(cfg.drafter, name="none"))
     small = measurement_model(model, c.cache.max_seq_len)
-    gguf = GGUFFile.open(resolved.gguf, resolved.hf_dir) if resolved.gguf is not None else None
-    target = build_target(small, resolved, device, dtype_name, cfg.model.quantization, gguf)
+    target = build_target(small, resolved, device, dtype_name, cfg.model.quantization)
     return step_curve(Engine(c, target=target), rows, cached=cached, repeats=5)

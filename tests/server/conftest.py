@@ -16,6 +16,14 @@ import yaml
 API_KEY = "test-key-123"
 
 
+@pytest.fixture(scope="module")
+def gtok(tokenizer, stops):
+    """The default model's grammar tokenizer, for checking tool and format grammars with its matcher."""
+    from core.grammar import GrammarTokenizer
+
+    return GrammarTokenizer(tokenizer, len(tokenizer), stops)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

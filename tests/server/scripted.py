@@ -74,6 +74,12 @@ class ScriptWorker:
             self._queues[request_id].put_nowait(m.Aborted(request_id, {"drafter": "none"}))
 
 
+def scripted(tokenizer, text: str, sizes: int = 3, finish: str = "stop") -> ScriptWorker:
+    """A worker that answers with ``text``'s ids, ``sizes`` per message."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ScriptWorker([ids[i:i + sizes] for i in range(0, len(ids), sizes)], finish=finish)
+
+
 def make_client(worker: ScriptWorker, tokenizer) -> TestClient:
     cfg = config_from_dict({"cache": {"num_slots": 4, "max_seq_len": 512}})
     state = ServerState(cfg=cfg, worker=worker, tokenizer=tokenizer, metrics=Metrics(MODEL, "none"),

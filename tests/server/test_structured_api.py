@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.server.scripted import ScriptWorker, call, make_client
+from tests.server.scripted import call, make_client, scripted
 from tests.server.tool_specs import ADD, TWO_CALLS, WEATHER, call_text, merge_stream
 
 
@@ -20,11 +20,6 @@ TOOLS = [ADD.openai(), WEATHER.openai()]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-def scripted(tokenizer, text: str, sizes: int = 3, finish: str = "stop") -> ScriptWorker:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ScriptWorker([ids[i:i + sizes] for i in range(0, len(ids), sizes)], finish=finish)
 
 
 @pytest.mark.parametrize("path, body, kind", [

@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from core.grammar import GrammarTokenizer, lark_grammar
+from core.grammar import lark_grammar
 from server.api.structured import ResponseFormat, ToolChoice
 from server.api.tool_grammar import tool_grammar_lark
 from server.api.tool_parser import ToolCallParser, ToolReply
 from server.api.tools import TRIGGER, ToolPlan, render_messages, tools_prompt
-from tests.server.tool_specs import ADD, NOARGS, TWO_CALLS, WEATHER, call_text
+from tests.server.tool_specs import ADD, NOARGS, TWO_CALLS, WEATHER, accepts, call_text
 
 
 # -- the reply parser --------------------------------------------------------------------------------------------
@@ -200,21 +200,6 @@ def test_a_template_that_knows_tools_gets_them(tokenizer):
 
 
 # -- grammars ----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gtok(tokenizer, stops):
-    return GrammarTokenizer(tokenizer, len(tokenizer), stops)
-
-
-def accepts(gtok, tokenizer, grammar: str, text: str) -> tuple[bool, bool]:
-    """(the grammar allows `text`, it is complete there)."""
-    m = gtok.matcher(grammar)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if m.valid_prefix(ids) != len(ids):
-        return False, False
-    m.consume(ids)
-    return True, m.accepting
-
-
 def test_tool_grammars(gtok, tokenizer):
     one, two = call_text("add", {"a": 3, "b": 4}), call_text("get_weather", {"city": "Oslo"})
     tools = [ADD, WEATHER, NOARGS]

@@ -15,8 +15,8 @@ from server.api.structured import ResponseFormat, ToolChoice
 from server.api.tool_grammar import tool_grammar_lark
 from server.api.tool_parser import ToolCallParser
 from server.api.tools import HERMES, LLAMA3_JSON, MISTRAL, ToolPlan, template_call_syntax
-from tests.server.scripted import MODEL, ScriptWorker, make_client
-from tests.server.tool_specs import ADD, NOARGS, WEATHER
+from tests.server.scripted import MODEL, ScriptWorker, make_client, scripted
+from tests.server.tool_specs import ADD, NOARGS, WEATHER, accepts
 
 # The parts of Llama 3.1's template that decide its tool syntax: header tokens, tools as JSON in the user turn, and
 # earlier calls rendered as {"name": ..., "parameters": ...}.
@@ -89,20 +89,6 @@ def test_any_other_reply_is_content(text):
 
 
 # -- the grammar -------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gtok(tokenizer, stops):
-    return GrammarTokenizer(tokenizer, len(tokenizer), stops)
-
-
-def accepts(gtok, tokenizer, grammar: str, text: str) -> tuple[bool, bool]:
-    m = gtok.matcher(grammar)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if m.valid_prefix(ids) != len(ids):
-        return False, False
-    m.consume(ids)
-    return True, m.accepting
-
-
 def test_llama_call_grammars(gtok, tokenizer):
     def grammar(mode, answer=None):
         plan = ToolPlan([ADD, WEATHER, NOARGS], ToolChoice(mode, "add" if mode == "named" else None),
@@ -133,11 +119,6 @@ def test_llama_call_grammars(gtok, tokenizer):
 def sdk(worker: ScriptWorker, tok) -> openai.OpenAI:
     return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=make_client(worker, tok),
                          max_retries=0)
-
-
-def scripted(tok, text: str) -> ScriptWorker:
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return ScriptWorker([ids[i:i + 3] for i in range(0, len(ids), 3)], finish="stop")
 
 
 ASK = [{"role": "user", "content": "Weather in Oslo?"}]

@@ -43,3 +43,13 @@ def merge_stream(events: list[dict]) -> dict[int, dict]:
                 fc["arguments"] += d["function_call"]["arguments"]
             o["finish"] = ch["finish_reason"] or o["finish"]
     return out
+
+
+def accepts(gtok, tokenizer, grammar: str, text: str) -> tuple[bool, bool]:
+    """(the grammar allows `text`, it is complete there), with `gtok` a ``core.grammar.GrammarTokenizer``."""
+    m = gtok.matcher(grammar)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if m.valid_prefix(ids) != len(ids):
+        return False, False
+    m.consume(ids)
+    return True, m.accepting
