@@ -28,6 +28,9 @@ new rows are causal among themselves, which is what prefill (T in the thousands)
   (offsets, slots, cache bounds, tree sizes) only on the CPU: reading device tensors back
   would cost a host sync per layer. Each program scans all B row offsets (B <= a few
   hundred is cheap).
+- sliding window (the local layers of Gemma 3, Mistral v0.1, windowed Qwen): ``window`` W and ``positions``, the
+  new rows' positions ([T], a tree row's is cache_len + its depth); prefix row n is at position n, and a row at
+  position p sees only keys at positions > p - W. The prefix tiles wholly before a row block's window are skipped.
 - a row that sees no key at all (cache_len == 0 and a mask without its self bit)
   gets zeros; the reference gives NaN there.
 - float32 inputs use exact ("ieee") dots on small tiles: correct but slow, for tests.
@@ -49,7 +52,7 @@ import math
 import torch
 import triton
 
-from .tree_attention_checks import _check_batched_inputs, _check_inputs
+from .tree_attention_checks import _check_batched_inputs, _check_inputs, _check_window
 from .tree_attention_kernels import _tree_attention_batched_kernel, _tree_attention_kernel
 
 
@@ -65,9 +68,11 @@ def _tile_config(dtype: torch.dtype, D: int, packed_rows: int) -> tuple[str, int
     return "tf32", block_m, block_n, num_warps  # precision is ignored for 16-bit inputs
 
 
-def tree_attention(q, k_cache, v_cache, cache_len: int, tree_mask, scale: float | None = None) -> torch.Tensor:
+def tree_attention(q, k_cache, v_cache, cache_len: int, tree_mask, scale: float | None = None,
+                   window: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Triton tree/causal attention; see the module docstring. Returns [T, H, D] in q.dtype."""
     _check_inputs(q, k_cache, v_cache, cache_len, tree_mask, for_kernel=True)
+    _check_window(q, window, positions)
     T, H, D = q.shape
     H_kv = k_cache.shape[0]
     group = H // H_kv
@@ -81,16 +86,18 @@ def tree_attention(q, k_cache, v_cache, cache_len: int, tree_mask, scale: float 
     precision, block_m, block_n, num_warps = _tile_config(q.dtype, D, packed_rows)
     # Never dereferenced when HAS_MASK is False; any tensor on the device will do.
     mask_arg = tree_mask if tree_mask is not None else q
+    pos_arg = positions if window is not None else q
 
     grid = (triton.cdiv(packed_rows, block_m), H_kv)
     _tree_attention_kernel[grid](
-        q, k_cache, v_cache, out, mask_arg,
+        q, k_cache, v_cache, out, mask_arg, pos_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        cache_len, T, group, float(scale) * math.log2(math.e),
+        cache_len, T, group, float(scale) * math.log2(math.e), int(window or 0),
         HAS_MASK=tree_mask is not None,
+        HAS_WINDOW=window is not None,
         HEAD_DIM=D,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -101,7 +108,8 @@ def tree_attention(q, k_cache, v_cache, cache_len: int, tree_mask, scale: float 
 
 
 def tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, window: int | None = None,
+                           positions: torch.Tensor | None = None) -> torch.Tensor:
     """Tree/causal attention for the rows of B sequences, one layer, one launch. Returns [T_total, H, D].
 
     q [T_total, H, D]: every sequence's new rows back to back. k_layer, v_layer [num_slots, H_kv, S, D]: one
@@ -111,9 +119,11 @@ def tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, t
     tree_mask [T_total] int64: ancestor bits of each row relative to its sequence's first row (ignored where
     causal[b]); causal [B] bool/int: that sequence's rows are causal among themselves (prefill chunk, any count).
     tree_mask=None means every sequence is causal (causal may then be None; it is not read).
+    window, positions [T_total]: a sliding-window layer (see the module docstring), each row's position.
     Build these once per forward and share them across layers; see the module docstring for limits.
     """
     _check_batched_inputs(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal, for_kernel=True)
+    _check_window(q, window, positions)
     T_total, H, D = q.shape
     H_kv = k_layer.shape[1]
     B = row_starts.shape[0] - 1
@@ -130,17 +140,19 @@ def tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, t
     # Never dereferenced when HAS_TREE is False; any tensor on the device will do.
     mask_arg = tree_mask if has_tree else q
     causal_arg = causal if has_tree else q
+    pos_arg = positions if window is not None else q
 
     grid = (T_total * group // block_m + B, H_kv)
     _tree_attention_batched_kernel[grid](
-        q, k_layer, v_layer, out, mask_arg,
+        q, k_layer, v_layer, out, mask_arg, pos_arg,
         slots, cache_lens, row_starts, causal_arg,
         q.stride(0), q.stride(1), q.stride(2),
         k_layer.stride(0), k_layer.stride(1), k_layer.stride(2), k_layer.stride(3),
         v_layer.stride(0), v_layer.stride(1), v_layer.stride(2), v_layer.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        B, group, float(scale) * math.log2(math.e),
+        B, group, float(scale) * math.log2(math.e), int(window or 0),
         HAS_TREE=has_tree,
+        HAS_WINDOW=window is not None,
         BLOCK_B=max(16, triton.next_power_of_2(B)),
         HEAD_DIM=D,
         BLOCK_M=block_m,

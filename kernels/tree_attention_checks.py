@@ -43,6 +43,18 @@ def _check_tree_mask(tree_mask, q, rows: str, n: int) -> None:
         raise ValueError(f"tree_mask on {tree_mask.device}, q on {q.device}")
 
 
+def _check_window(q, window, positions) -> None:
+    """A sliding window: a positive int, with an int32/int64 position per query row on q's device."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if (not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64)
+            or positions.shape != (q.shape[0],) or positions.device != q.device):
+        raise ValueError(f"a window needs positions, an int tensor of shape [{q.shape[0]}] on {q.device}, got "
+                         f"{getattr(positions, 'dtype', type(positions))} {tuple(getattr(positions, 'shape', ()))}")
+
+
 def _check_kernel_inputs(q, name: str) -> None:
     D = q.shape[-1]
     if D < 16 or D > 256 or D & (D - 1):

@@ -27,12 +27,13 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _attend_block(
-    q_ptr, k_base, v_base, o_ptr, mask_ptr,
+    q_ptr, k_base, v_base, o_ptr, mask_ptr, pos_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kd,
     stride_vs, stride_vd,
     stride_ot, stride_oh, stride_od,
-    cache_len, T, m_start, kvh, GROUP, qk_scale, is_tree,
+    cache_len, T, m_start, kvh, GROUP, qk_scale, is_tree, window,
+    HAS_WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -43,6 +44,8 @@ def _attend_block(
     # t-major, starting at packed row m_start. Why: a decode/verify step has T in 1..64, far below a 16-row dot
     # tile; packing the group fills the tile (T=1, G=8 -> 8 useful rows instead of 1) and every K/V tile is loaded
     # once per group instead of G times. is_tree: rows use the ancestor bits at mask_ptr, else causal new rows.
+    # HAS_WINDOW (a sliding-window layer): pos_ptr holds the new rows' positions (cache row n of the prefix is at
+    # position n), and a row at position p sees only keys at positions > p - window.
     rows = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] packed t * GROUP + g
     row_ok = rows < T * GROUP
     t = rows // GROUP  # [BLOCK_M] new-row index
@@ -61,8 +64,14 @@ def _attend_block(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BLOCK_M, D]
 
-    # Verified prefix: visible to every row, so only the tail tile needs a bound mask.
-    for start in range(0, cache_len, BLOCK_N):
+    # Verified prefix: visible to every row, so only the tail tile needs a bound mask; with a window, the rows'
+    # lowest visible position too, and the tiles before the block's lowest one are skipped.
+    prefix_start = 0
+    if HAS_WINDOW:
+        lo = tl.load(pos_ptr + t, mask=row_ok, other=0).to(tl.int32) - window + 1  # [BLOCK_M] first visible position
+        lo_block = tl.maximum(tl.min(tl.where(row_ok, lo, cache_len), 0), 0)
+        prefix_start = lo_block // BLOCK_N * BLOCK_N
+    for start in range(prefix_start, cache_len, BLOCK_N):
         n = start + offs_n  # [BLOCK_N] absolute cache row
         n_ok = n < cache_len
         k = tl.load(k_base + n[None, :] * stride_ks + offs_d[:, None] * stride_kd,
@@ -70,7 +79,10 @@ def _attend_block(
         v = tl.load(v_base + n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
                     mask=n_ok[:, None], other=0.0)  # [BLOCK_N, D]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        seen = n_ok[None, :]
+        if HAS_WINDOW:
+            seen = seen & (n[None, :] >= lo[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if is_tree:
@@ -99,6 +111,9 @@ def _attend_block(
         else:
             visible = j[None, :] <= t[:, None]
         visible = visible & j_ok[None, :]
+        if HAS_WINDOW:
+            key_pos = tl.load(pos_ptr + j, mask=j_ok, other=0).to(tl.int32)  # [BLOCK_N]
+            visible = visible & (key_pos[None, :] >= lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
@@ -116,13 +131,14 @@ def _attend_block(
 # separate variants for values equal to 1 or divisible by 16.
 @triton.jit(do_not_specialize=["cache_len", "T"])
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pos_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kh, stride_ks, stride_kd,
     stride_vh, stride_vs, stride_vd,
     stride_ot, stride_oh, stride_od,
-    cache_len, T, GROUP, qk_scale,
+    cache_len, T, GROUP, qk_scale, window,
     HAS_MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -132,25 +148,26 @@ def _tree_attention_kernel(
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     _attend_block(
-        q_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, o_ptr, mask_ptr,
+        q_ptr, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh, o_ptr, mask_ptr, pos_ptr,
         stride_qt, stride_qh, stride_qd, stride_ks, stride_kd, stride_vs, stride_vd,
         stride_ot, stride_oh, stride_od,
-        cache_len, T, pid_m * BLOCK_M, kvh, GROUP, qk_scale, HAS_MASK,
-        HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        cache_len, T, pid_m * BLOCK_M, kvh, GROUP, qk_scale, HAS_MASK, window,
+        HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
 
 
 # B changes every step (see _tree_attention_kernel on do_not_specialize).
 @triton.jit(do_not_specialize=["B"])
 def _tree_attention_batched_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, pos_ptr,
     slots_ptr, cache_lens_ptr, row_starts_ptr, causal_ptr,
     stride_qt, stride_qh, stride_qd,
     stride_kslot, stride_kh, stride_ks, stride_kd,
     stride_vslot, stride_vh, stride_vs, stride_vd,
     stride_ot, stride_oh, stride_od,
-    B, GROUP, qk_scale,
+    B, GROUP, qk_scale, window,
     HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     BLOCK_B: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -188,10 +205,11 @@ def _tree_attention_batched_kernel(
         v_ptr + slot * stride_vslot + kvh * stride_vh,
         o_ptr + row_start * stride_ot,
         mask_ptr + row_start,
+        pos_ptr + row_start,
         stride_qt, stride_qh, stride_qd, stride_ks, stride_kd, stride_vs, stride_vd,
         stride_ot, stride_oh, stride_od,
-        cache_len, T, m_start, kvh, GROUP, qk_scale, is_tree,
-        HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION,
+        cache_len, T, m_start, kvh, GROUP, qk_scale, is_tree, window,
+        HAS_WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION,
     )
 
 

@@ -78,6 +78,31 @@ def test_batched_matches_ref(seqs, D, dtype, device):
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 
+def _positions(seqs):
+    """Each row's position: causal rows cache_len + j, a tree row cache_len + its depth."""
+    out = []
+    for _, cache_len, rows in seqs:
+        if isinstance(rows, list):
+            depth = []
+            for p in rows:
+                depth.append(0 if p < 0 else depth[p] + 1)
+            out += [cache_len + d for d in depth]
+        else:
+            out += range(cache_len, cache_len + rows)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("window", [3, 30])
+def test_sliding_window_matches_ref(window, device):
+    """A sliding-window layer: every sequence's rows read keys at positions > theirs - window only."""
+    q, k_pool, v_pool, slots, cache_lens, row_starts, mask, causal = make_batch(MIXED, 16, device)
+    args = (q, k_pool[1], v_pool[1], slots, cache_lens, row_starts, mask, causal)
+    pos = _positions(MIXED).to(device)
+    out = tree_attention_batched(*args, window=window, positions=pos)
+    torch.testing.assert_close(out, tree_attention_batched_ref(*args, window=window, positions=pos))
+    assert not torch.allclose(out, tree_attention_batched_ref(*args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_batched_equals_single_sequence_kernel(dtype, device):
     # A sequence's rows must not depend on what else is in the batch. Float32 takes the same tiles in both launchers

@@ -124,8 +124,9 @@ def test_bfloat16(device):
     torch.testing.assert_close(out, tree_attention_ref(q, k, v, 300, mask), atol=2e-2, rtol=2e-2)
 
 
-def naive_attention(q, k, v, cache_len, parents, scale):
-    """Scalar loops, visibility from walking parent links (independent of the bitmask)."""
+def naive_attention(q, k, v, cache_len, parents, scale, window=None):
+    """Scalar loops, visibility from walking parent links (independent of the bitmask). With a window, a row at
+    position p (a tree row's is cache_len + its number of ancestors) reads keys at positions > p - window only."""
     T, H, D = q.shape
     group = H // k.shape[0]
     out = torch.zeros(T, H, D, dtype=torch.float64)
@@ -138,6 +139,10 @@ def naive_attention(q, k, v, cache_len, parents, scale):
                 seen.add(node)
                 node = parents[node]
         keys = list(range(cache_len)) + [cache_len + j for j in sorted(seen)]
+        if window is not None:
+            pos = {n: n for n in range(cache_len)}
+            pos.update({cache_len + j: cache_len + (j if parents is None else _depth(parents, j)) for j in seen})
+            keys = [n for n in keys if pos[n] > pos[cache_len + i] - window]
         for h in range(H):
             kh = h // group
             logits = [sum(float(q[i, h, d]) * float(k[kh, n, d]) for d in range(D)) * scale for n in keys]
@@ -147,6 +152,59 @@ def naive_attention(q, k, v, cache_len, parents, scale):
             for d in range(D):
                 out[i, h, d] = sum(wn * float(v[kh, n, d]) for wn, n in zip(w, keys)) / total
     return out
+
+
+def _depth(parents, j):
+    d = 0
+    while parents[j] != -1:
+        d, j = d + 1, parents[j]
+    return d
+
+
+def _positions(parents, cache_len, T):
+    """Each new row's position: a prefix row n is at n, a causal row j at cache_len + j, a tree row at cache_len +
+    its depth (walked through the parent links)."""
+    return torch.tensor([cache_len + (j if parents is None else _depth(parents, j)) for j in range(T)])
+
+
+@pytest.mark.parametrize("parents, window", [([-1, 0, 0, 1, 2, 3], 3), (None, 4), ([-1, 0, 1, 2], 10)])
+def test_window_ref_matches_naive_loops(parents, window):
+    T, H, H_kv, D, cache_len = 6 if parents is None else len(parents), 4, 2, 8, 5
+    q = torch.randn(T, H, D)
+    k = torch.randn(H_kv, cache_len + T, D)
+    v = torch.randn(H_kv, cache_len + T, D)
+    mask = None if parents is None else ancestor_bitmask(parents)
+    pos = _positions(parents, cache_len, T)
+    ref = tree_attention_ref(q, k, v, cache_len, mask, window=window, positions=pos)
+    expected = naive_attention(q, k, v, cache_len, parents, 1 / math.sqrt(D), window)
+    torch.testing.assert_close(ref.double(), expected, atol=1e-5, rtol=1e-5)
+    full = tree_attention_ref(q, k, v, cache_len, mask)
+    if window >= cache_len + T:  # every key inside it
+        assert torch.equal(ref, full)
+    else:
+        assert not torch.allclose(ref, full), "the window must hide some key"
+
+
+# A window below a row block's tiles (skipped), across them, inside a tree (deeper rows than the window), and in a
+# causal prompt chunk longer than it.
+@pytest.mark.parametrize("tree, cache_len, window, dtype", [
+    ("cape32", 300, 70, torch.float32),
+    ("random64", 40, 9, torch.float32),
+    (None, 70, 100, torch.float32),
+    ("chain8", 130, 64, torch.float16),
+    (None, 33, 50, torch.float16),
+])
+def test_sliding_window_matches_ref(tree, cache_len, window, dtype, device):
+    parents = TREES[tree] if tree else None
+    T = len(parents) if parents else 150
+    mask = None if tree is None else ancestor_bitmask(parents).to(device)
+    q, k, v = make_inputs(T, 2, 3, 64, cache_len, device, dtype=dtype)
+    pos = _positions(parents, cache_len, T).to(device)
+    out = tree_attention(q, k, v, cache_len, mask, window=window, positions=pos)
+    ref = tree_attention_ref(q, k, v, cache_len, mask, window=window, positions=pos)
+    tol = {} if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out, ref, **tol)
+    assert not torch.allclose(out, tree_attention_ref(q, k, v, cache_len, mask), **tol)
 
 
 @pytest.mark.parametrize("parents", [[-1, 0, 0, 1, 2], None])
