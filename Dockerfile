@@ -57,7 +57,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 
 COPY core ./core
 COPY server ./server
-COPY kernels ./kernels
+COPY specserve_kernels ./specserve_kernels
 COPY drafters ./drafters
 COPY training ./training
 COPY specserve ./specserve

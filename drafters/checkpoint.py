@@ -112,7 +112,7 @@ def drafter_weights(model, target, weights: str = "auto"):
     """The learned drafter's matrices, by the drafter option ``weights``:
 
     - ``int8``: each 2-D parameter whose input width is a multiple of 32, and its LM-head rows, become int8 per block
-      of 32 (``kernels.cpu.BlockQuantWeight``), which ``core.ops.linear`` multiplies with the CPU kernel the
+      of 32 (``specserve_kernels.cpu.BlockQuantWeight``), which ``core.ops.linear`` multiplies with the CPU kernel the
       quantized targets run. A drafter forward then reads half its bfloat16 bytes (a quarter of float32's).
     - ``dense``: the target's dtype, as the checkpoint was trained.
     - ``auto`` (default): int8 where the target itself runs that kernel (a float32 target on the qlinear path);
@@ -121,7 +121,7 @@ def drafter_weights(model, target, weights: str = "auto"):
 
     Drafts only propose (the target verifies every token), so this changes acceptance, never the output."""
     check_weights(weights)
-    from kernels import cpu
+    from specserve_kernels import cpu
 
     matrices = _int8_matrices(model)
     if weights == "dense" or not matrices:
@@ -147,7 +147,7 @@ def drafter_weights(model, target, weights: str = "auto"):
 def _int8_matrices(model) -> list[tuple]:
     """(owner, attribute, matrix) of every dense matrix the int8 kernel can take (input width a multiple of 32): the
     2-D parameters, then the LM-head rows."""
-    from kernels.cpu import QK
+    from specserve_kernels.cpu import QK
 
     found = [(module, name, p.detach()) for module in model.modules()
              for name, p in module.named_parameters(recurse=False) if p.dim() == 2 and p.shape[1] % QK == 0]
@@ -165,7 +165,7 @@ def measure_weights(model, rows: int = 2, repeats: int = 7) -> dict[str, float]:
     import time
 
     from core.ops import linear
-    from kernels.cpu import BlockQuantWeight
+    from specserve_kernels.cpu import BlockQuantWeight
 
     dense = [w for _, _, w in _int8_matrices(model)]
     key = (tuple(tuple(w.shape) for w in dense), str(dense[0].dtype))

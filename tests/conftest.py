@@ -9,7 +9,7 @@ import tempfile
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when a kernel is decorated, i.e. on the first import of `kernels`, which any
+# Triton picks interpreter or compiler when a kernel is decorated, i.e. on the first import of `specserve_kernels`, which any
 # engine test triggers. This is the one place the choice is made: the interpreter only where there is no CUDA device
 # (an explicit TRITON_INTERPRET wins), so on a GPU the kernel tests run compiled, bfloat16 included.
 if not torch.cuda.is_available():

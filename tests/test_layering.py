@@ -1,6 +1,6 @@
 """Dependencies point one way, with no exemption:
 
-    core  <-  kernels  <-  server.engine  <-  server.worker  <-  server.api
+    core  <-  specserve_kernels  <-  server.engine  <-  server.worker  <-  server.api
       ^                         |  (drafters.base only)
       +------  drafters  <------+
     training  ->  the engine's public API (server.engine), server.config / model_files / tokenization / cli, drafters
@@ -44,7 +44,7 @@ def offenders(package: str, forbidden: tuple[str, ...], allowed: tuple[str, ...]
     return [f"{f} imports {mod}" for f, mod in imports(package, root) if within(mod, forbidden) and mod not in allowed]
 
 
-OURS = ("core", "kernels", "drafters", "server", "training", "specserve")
+OURS = ("core", "specserve_kernels", "drafters", "server", "training", "specserve")
 
 
 def test_core_imports_none_of_ours():
@@ -52,7 +52,7 @@ def test_core_imports_none_of_ours():
 
 
 def test_kernels_import_only_core():
-    assert offenders("kernels", ("drafters", "server", "training", "specserve")) == []
+    assert offenders("specserve_kernels", ("drafters", "server", "training", "specserve")) == []
 
 
 def test_drafters_import_core_and_themselves_only():

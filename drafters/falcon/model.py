@@ -35,7 +35,7 @@ from torch import nn
 from core.ops import Rope, apply_rope, linear, rms_norm
 
 from drafters.checkpoint import check_target, default_path, read_model, save_checkpoint
-from kernels import cpu as cpu_kernels
+from specserve_kernels import cpu as cpu_kernels
 
 
 class FalconCheckpointError(RuntimeError):
@@ -206,7 +206,7 @@ class FalconModel(nn.Module):
 
 def _cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_keys: int,
                      visible: torch.Tensor | None) -> torch.Tensor | None:
-    """Drafting's attention on CPU through ``kernels.cpu.attend`` (float32 arithmetic, no copies of the cache per
+    """Drafting's attention on CPU through ``specserve_kernels.cpu.attend`` (float32 arithmetic, no copies of the cache per
     head; SDPA's CPU path for a boolean mask cost about a quarter of a drafter forward): q [T, H, D] over the cache
     rows [0, n_keys) of k, v [H_kv, S, D] that ``visible`` [T, n_keys] shows each row (None: all of them) -> [T, H, D].
     None where the kernel does not serve: not a CPU, not loaded, or a row sees more than 63 rows past the keys that

@@ -25,7 +25,7 @@ KEYS = ("kind", "section", "title", "date", "commit", "command", "machine", "sou
 
 def machine() -> dict:
     """The CPU's model name, its vector extensions among `CPU_FEATURES`, its cores, and the GPU if torch sees one."""
-    from kernels.cpu import cpu_flags, cpu_model
+    from specserve_kernels.cpu import cpu_flags, cpu_model
 
     flags = cpu_flags()
     info = {"cpu": cpu_model(), "cpu_features": [f for f in CPU_FEATURES if f in flags], "cores": os.cpu_count(),

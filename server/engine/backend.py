@@ -32,10 +32,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu as cpu_kernels
-from kernels.kv_compact import kv_compact, kv_compact_ref
-from kernels.tree_attention import tree_attention, tree_attention_batched
-from kernels.tree_mask import tree_mask_to_bool
+from specserve_kernels import cpu as cpu_kernels
+from specserve_kernels.kv_compact import kv_compact, kv_compact_ref
+from specserve_kernels.tree_attention import tree_attention, tree_attention_batched
+from specserve_kernels.tree_mask import tree_mask_to_bool
 
 KEY_BLOCK = 64  # decode-form calls pad the keys to a multiple of this, so a decode step and a draft row share shapes
 # At most this many leading chain rows in decode form (all of them: a tree has at most 64 rows). With the bmm form
@@ -240,7 +240,7 @@ def make_batched_kernel_attention(slots: torch.Tensor, cache_lens: torch.Tensor,
 
 
 def make_row_kernel_attention(slot: torch.Tensor, cached: torch.Tensor, base: torch.Tensor, bits: torch.Tensor):
-    """Attention for rows of any sequences in one C++ call per layer (``kernels.cpu.attend``; CPU, 16-bit dtypes):
+    """Attention for rows of any sequences in one C++ call per layer (``specserve_kernels.cpu.attend``; CPU, 16-bit dtypes):
     q [n, H, D] and one layer of the pool k/v [num_slots, H_kv, S, D] -> [n, H, D]. Row t reads slot ``slot[t]``'s
     rows 0 .. cached[t] - 1, then rows base[t] + j for each bit j of bits[t] (its ancestors in a draft tree). A row's
     bits depend on its query and those keys only, so a draft row equals the decode step at its position whatever

@@ -23,9 +23,9 @@ from core.ops import top1
 from core.sampling import SamplingParams, Shaper, race, request_generator, target_probs, token_clocks
 from core.tree import MAX_TREE_ROWS, DraftTree, VerifyResult
 from drafters.base import Drafter, create_drafter
-from kernels import cpu as cpu_kernels
-from kernels.kv_compact import kv_compact_batched
-from kernels.tree_mask import ancestor_bitmask
+from specserve_kernels import cpu as cpu_kernels
+from specserve_kernels.kv_compact import kv_compact_batched
+from specserve_kernels.tree_mask import ancestor_bitmask
 from server.config import EngineConfig
 from server.engine.acceptance import ShapedRows, accept_greedy, accept_sampling, accept_seeded
 from server.engine.backend import compact_kv

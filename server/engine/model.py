@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.ops import LlamaArgs, Rope, apply_rope, linear, rms_norm
-from kernels import cpu as cpu_kernels
-from kernels.cpu import BlockQuantWeight
+from specserve_kernels import cpu as cpu_kernels
+from specserve_kernels.cpu import BlockQuantWeight
 
 # attention(q [T,H,D], k_cache [H_kv,S,D], v_cache, cache_len, tree_mask | None) -> [T,H,D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
@@ -60,7 +60,7 @@ class RowGroup:
 
 @dataclass
 class CpuRows:
-    """Every row of a forward of the quantized CPU target (float32), for ``kernels.cpu.decoder``: row t's K/V go
+    """Every row of a forward of the quantized CPU target (float32), for ``specserve_kernels.cpu.decoder``: row t's K/V go
     to cache row ``pos[t]`` of slot ``slot[t]``, and it attends to rows 0 .. cached[t] - 1 of that slot, then to rows
     base[t] + j for each bit j of bits[t] (a draft row's ancestors). One call per layer for all sequences."""
 
@@ -209,7 +209,7 @@ class Llama(nn.Module):
         return x
 
     def _cpu_decoder(self, start: int, end: int):
-        """Layers [start, end) of the quantized CPU target in one C++ call (``kernels.cpu.decoder``), built on first
+        """Layers [start, end) of the quantized CPU target in one C++ call (``specserve_kernels.cpu.decoder``), built on first
         use (kept beside the model, not in it, so the model stays deep-copyable)."""
         decs = _CPU_DECODERS.setdefault(self, {})
         dec = decs.get((start, end))

@@ -6,7 +6,7 @@ stay in the serving dtype. The quantized model is the target: speculative decodi
 
 Two kernel paths, chosen at load:
 
-- **qlinear** (``kernels.cpu``, x86 CPUs with AVX-512 VNNI): weights as codes per block of 32 input columns (int4:
+- **qlinear** (``specserve_kernels.cpu``, x86 CPUs with AVX-512 VNNI): weights as codes per block of 32 input columns (int4:
   asymmetric, as GGUF Q4_1; int8: symmetric, as GGUF Q8_0), activations quantized to int8 per row and block, integer
   dot products. Every weight is read once per step for all its rows, and a row's result does not depend on the other
   rows. This is the design of llama.cpp's own CPU kernels, so a GGUF file served here computes what llama.cpp computes
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from core.ops import QUANTIZATIONS, Int4Weight, Int8Weight
-from kernels import cpu as qlinear
+from specserve_kernels import cpu as qlinear
 from server.engine.weights import QBlocks, gguf_linear_blocks, gguf_linear_quantization
 from server.gguf_file import GGUFFile
 

@@ -96,7 +96,7 @@ class RowLayout:
 
 def row_specs(parts) -> tuple[torch.Tensor, ...]:
     """Where the rows of ``parts`` ([(seq, tokens, positions, tree_mask)]) go and what they read, for the C++
-    attention (``kernels.cpu.attend``): slot, pos, cached, base, bits, int64 [rows] each on the CPU. Causal rows
+    attention (``specserve_kernels.cpu.attend``): slot, pos, cached, base, bits, int64 [rows] each on the CPU. Causal rows
     (prompt chunks, decode steps) read their slot up to themselves in place, tree rows the cached prefix and then
     their ancestors."""
     slot, pos, cached, base, bits = [], [], [], [], []

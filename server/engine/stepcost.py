@@ -20,7 +20,7 @@ import torch
 
 from core.ops import linear_key, measure_int4_forms, measure_linear_kernels, use_linear_kernel
 from core.tree import MAX_TREE_ROWS, DraftTree
-from kernels.cpu import cpu_flags, cpu_model
+from specserve_kernels.cpu import cpu_flags, cpu_model
 from server.engine.step import StepPlan
 
 log = logging.getLogger("specserve.engine")

@@ -43,8 +43,8 @@ class Target:
     @property
     def kernels(self) -> str:
         """"qlinear" where the linear layers run the CPU block-quantized kernel (a float32 engine then runs every row
-        through ``kernels.cpu.decoder``, its row-invariant attention included), else "aten"."""
-        from kernels.cpu import BlockQuantWeight
+        through ``specserve_kernels.cpu.decoder``, its row-invariant attention included), else "aten"."""
+        from specserve_kernels.cpu import BlockQuantWeight
 
         return "qlinear" if isinstance(self.model.layers[0].wqkv.weight, BlockQuantWeight) else "aten"
 

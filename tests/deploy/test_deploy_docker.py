@@ -116,7 +116,7 @@ def test_copy_sources_exist_and_are_in_the_build_context():
             if "__pycache__" not in rel and not rel.endswith(".pyc"):
                 assert not is_ignored(rel, IGNORE), f".dockerignore leaves out {rel}"
     # What `pip install .` needs: pyproject.toml, README.md (its `readme`), and every package it lists.
-    for need in ("pyproject.toml", "README.md", "server", "kernels", "drafters", "deploy/configs"):
+    for need in ("pyproject.toml", "README.md", "server", "specserve_kernels", "drafters", "deploy/configs"):
         assert need in copied, f"{need} is not copied into the image"
 
 

@@ -13,7 +13,7 @@ LEARNED = ["falcon", "glide"]
 
 @pytest.fixture(scope="module")
 def kernel():
-    from kernels import cpu
+    from specserve_kernels import cpu
 
     if cpu.load() is None:
         pytest.skip(f"no CPU kernel here: {cpu.unavailable_reason()}")

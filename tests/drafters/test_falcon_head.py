@@ -75,9 +75,9 @@ def test_no_row_sees_its_label(k, offset):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_drafting_attention_through_the_cpu_kernel_is_the_masked_softmax(dtype):
-    """Drafting reads its cache through kernels.cpu.attend where it loads: every row's visible keys (all of them, or
+    """Drafting reads its cache through specserve_kernels.cpu.attend where it loads: every row's visible keys (all of them, or
     the verified prefix plus its ancestors), as SDPA computes them; None where a row's own keys do not fit its bits."""
-    from kernels import cpu as cpu_kernels
+    from specserve_kernels import cpu as cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip(f"CPU kernels unavailable here: {cpu_kernels.unavailable_reason()}")

@@ -19,9 +19,9 @@ from core import ops
 from core.ops import linear
 from core.tree import DraftTree
 from drafters.base import create_drafter
-from kernels import cpu as cpu_kernels
-from kernels.tree_attention_reference import tree_attention_ref
-from kernels.tree_mask import ancestor_bitmask
+from specserve_kernels import cpu as cpu_kernels
+from specserve_kernels.tree_attention_reference import tree_attention_ref
+from specserve_kernels.tree_mask import ancestor_bitmask
 from server.config import config_from_dict
 from server.engine.backend import EXACT_MAX_ROWS, make_attention
 from server.engine import Engine, load_target

@@ -43,7 +43,7 @@ def test_every_registered_drafter_is_covered_here():
 
 
 def test_the_target_runs_the_kernel_path_this_machine_has(int4_target):
-    from kernels import cpu
+    from specserve_kernels import cpu
 
     assert int4_target.quantization == "int4"  # model.quantization auto: the GGUF file's Q4_1 layers
     w = int4_target.model.layers[0].wqkv.weight
@@ -76,7 +76,7 @@ def test_learned_drafters_run_the_targets_cpu_kernel_and_predict_as_their_dense_
     import torch
 
     from drafters.checkpoint import drafter_weights
-    from kernels import cpu
+    from specserve_kernels import cpu
 
     if int4_target.kernels != "qlinear":
         pytest.skip(f"no qlinear path here: {cpu.unavailable_reason()}")

@@ -1,6 +1,6 @@
 """Kernel tests run on the device the kernels were built for.
 
-Triton decides interpreter vs compiler when a kernel is decorated, i.e. when `kernels` is first imported. The choice
+Triton decides interpreter vs compiler when a kernel is decorated, i.e. when `specserve_kernels` is first imported. The choice
 is made once, in tests/conftest.py (loaded before any test module): the interpreter only where there is no CUDA
 device, unless TRITON_INTERPRET is set explicitly. This file only reads that choice; it never sets it, since by the
 time it loads other test modules may already have imported the kernels.

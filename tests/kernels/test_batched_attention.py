@@ -4,9 +4,9 @@ import random
 import pytest
 import torch
 
-from kernels.tree_attention import tree_attention, tree_attention_batched
-from kernels.tree_attention_reference import tree_attention_batched_ref
-from kernels.tree_mask import ancestor_bitmask
+from specserve_kernels.tree_attention import tree_attention, tree_attention_batched
+from specserve_kernels.tree_attention_reference import tree_attention_batched_ref
+from specserve_kernels.tree_mask import ancestor_bitmask
 
 H, H_KV = 4, 2  # GQA group of 2
 NUM_SLOTS, S = 6, 160
@@ -184,5 +184,5 @@ def test_device_matches_how_the_kernel_was_built(device):
 
     from triton.runtime.interpreter import InterpretedFunction
 
-    ta = importlib.import_module("kernels.tree_attention_kernels")
+    ta = importlib.import_module("specserve_kernels.tree_attention_kernels")
     assert isinstance(ta._tree_attention_batched_kernel, InterpretedFunction) == (device == "cpu")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels.kv_compact import kv_compact_batched, kv_compact_batched_ref
+from specserve_kernels.kv_compact import kv_compact_batched, kv_compact_batched_ref
 
 L, SLOTS, H_KV = 2, 5, 2
 
@@ -121,5 +121,5 @@ def test_device_matches_how_the_kernel_was_built(device):
 
     from triton.runtime.interpreter import InterpretedFunction
 
-    kc = importlib.import_module("kernels.kv_compact")  # the package re-exports a function of that name
+    kc = importlib.import_module("specserve_kernels.kv_compact")  # the package re-exports a function of that name
     assert isinstance(kc._kv_compact_batched_kernel, InterpretedFunction) == (device == "cpu")

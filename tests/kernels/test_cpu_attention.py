@@ -1,4 +1,4 @@
-"""The CPU targets' row-invariant attention (kernels/cpu/attention.cpp; the quantized float32 target's with float16
+"""The CPU targets' row-invariant attention (specserve_kernels/cpu/attention.cpp; the quantized float32 target's with float16
 K/V, the bfloat16 target's with bfloat16 K/V and queries): values against softmax attention, and a row's bits set by
 its own query and keys alone, so that prompt rows, draft-tree rows and batched decode steps equal the decode step at
 their position."""
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.tree_mask import ancestor_bitmask
+from specserve_kernels import cpu
+from specserve_kernels.tree_mask import ancestor_bitmask
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason=f"CPU kernels unavailable here: {cpu.unavailable_reason()}")
 L = torch.long

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels import kv_compact, kv_compact_ref
+from specserve_kernels import kv_compact, kv_compact_ref
 
 L, SLOTS, H_KV = 3, 4, 2
 
@@ -99,7 +99,7 @@ def test_device_matches_how_the_kernels_were_built(device):
 
     from triton.runtime.interpreter import InterpretedFunction
 
-    ta = importlib.import_module("kernels.tree_attention_kernels")
-    kc = importlib.import_module("kernels.kv_compact")
+    ta = importlib.import_module("specserve_kernels.tree_attention_kernels")
+    kc = importlib.import_module("specserve_kernels.kv_compact")
     for kernel in (ta._tree_attention_kernel, kc._kv_compact_kernel):
         assert isinstance(kernel, InterpretedFunction) == (device == "cpu")

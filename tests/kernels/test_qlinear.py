@@ -1,4 +1,4 @@
-"""The CPU block-quantized linear kernel (kernels/cpu): values against its float64 reference, row invariance bit for
+"""The CPU block-quantized linear kernel (specserve_kernels/cpu): values against its float64 reference, row invariance bit for
 bit, the packed layout, and the clean fallback where it cannot build or run.
 
 The kernel needs AVX-512 VNNI; on a CPU without it every test here but the fallback ones skips, saying so (the engine
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu as qlinear
-from kernels.cpu import BlockQuantWeight, qlinear_reference
+from specserve_kernels import cpu as qlinear
+from specserve_kernels.cpu import BlockQuantWeight, qlinear_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_kernel = pytest.mark.skipif(qlinear.load() is None,
@@ -173,7 +173,7 @@ def test_turned_off_it_says_why_and_the_engine_serves_on_pytorchs_kernels():
     code = """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-from kernels import cpu
+from specserve_kernels import cpu
 print("module:", cpu.load(), "|", cpu.unavailable_reason())
 from server.config import config_from_dict
 from server.engine import Engine, load_target
@@ -196,7 +196,7 @@ print("tokens:", len(out.token_ids))
 def test_without_a_compiler_the_build_fails_cleanly(tmp_path):
     """A machine with no C++ compiler: load() gives None and a reason instead of raising."""
     code = """
-from kernels import cpu
+from specserve_kernels import cpu
 print("module:", cpu.load())
 print("reason:", cpu.unavailable_reason())
 """

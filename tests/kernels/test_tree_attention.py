@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from kernels import ancestor_bitmask, tree_attention, tree_attention_ref, tree_mask_to_bool
+from specserve_kernels import ancestor_bitmask, tree_attention, tree_attention_ref, tree_mask_to_bool
 
 
 def chain_parents(n):

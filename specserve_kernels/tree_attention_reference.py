@@ -1,5 +1,5 @@
 """Plain-torch references for tree attention, with the signatures and semantics of the Triton launchers in
-kernels.tree_attention: tree_attention_ref for one sequence and tree_attention_batched_ref, which runs it once per
+specserve_kernels.tree_attention: tree_attention_ref for one sequence and tree_attention_batched_ref, which runs it once per
 sequence. They run on any device (the CPU included) and are what the kernels are tested and benchmarked against.
 """
 

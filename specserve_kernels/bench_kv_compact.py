@@ -1,6 +1,6 @@
 """Benchmark kv_compact (Triton, one launch) vs kv_compact_ref (torch index_select + copy), and the batched launch.
 
-Run: python -m kernels.bench_kv_compact [--dtype float16|bfloat16|float32]
+Run: python -m specserve_kernels.bench_kv_compact [--dtype float16|bfloat16|float32]
 Pools: SmolLM2-135M (L=30, H_kv=3, D=64) and an 8B-class model (L=32, H_kv=8, D=128),
 4 slots of S=4608 rows; n accepted rows drawn from the tree rows after a 4096-row prefix
 and compacted down to row 4096. GB/s counts each moved K and V row read once, written once.

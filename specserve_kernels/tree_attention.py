@@ -40,9 +40,9 @@ new rows are causal among themselves, which is what prefill (T in the thousands)
   3.9 only, no spills for any dtype, D 64..256, within 25 registers of the single one);
   no GPU timing yet.
 
-This module holds the two launchers. The Triton kernels are in kernels.tree_attention_kernels, the input checks in
-kernels.tree_attention_checks, the plain-torch references in kernels.tree_attention_reference and the masks
-(ancestor_bitmask, tree_mask_to_bool) in kernels.tree_mask.
+This module holds the two launchers. The Triton kernels are in specserve_kernels.tree_attention_kernels, the input checks in
+specserve_kernels.tree_attention_checks, the plain-torch references in specserve_kernels.tree_attention_reference and the masks
+(ancestor_bitmask, tree_mask_to_bool) in specserve_kernels.tree_mask.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark tree_attention (Triton) vs tree_attention_ref vs SDPA with a boolean mask, and the batched launch.
 
-Run: python -m kernels.bench_tree_attention [--dtype float16|bfloat16|float32]
+Run: python -m specserve_kernels.bench_tree_attention [--dtype float16|bfloat16|float32]
 Shapes: SmolLM2-135M (H=9, H_kv=3, D=64) and an 8B-class model (H=32, H_kv=8, D=128),
 tree rows T in {1, 8, 32, 64} (random trees), verified prefix in {128, 1024, 4096}.
 Batched: B sequences in {8, 32, 64}, each with a T-row tree (T in {1, 8}) after a 1024-row prefix in its own slot,

@@ -1,4 +1,4 @@
-"""The Triton kernels of tree attention, launched by kernels.tree_attention (see its docstring for the semantics
+"""The Triton kernels of tree attention, launched by specserve_kernels.tree_attention (see its docstring for the semantics
 and limits): the block step shared by both (one row block of one sequence against its verified prefix and its new
 rows, with an online softmax), the single-sequence kernel and the batched kernel, which finds each program's sequence
 from the row offsets on the device.

@@ -1,5 +1,5 @@
-"""Input checks of tree attention, shared by the Triton launchers (kernels.tree_attention) and the plain-torch
-references (kernels.tree_attention_reference): ranks, dtypes, devices, head dims and the GQA ratio; the cache bounds
+"""Input checks of tree attention, shared by the Triton launchers (specserve_kernels.tree_attention) and the plain-torch
+references (specserve_kernels.tree_attention_reference): ranks, dtypes, devices, head dims and the GQA ratio; the cache bounds
 and the tree mask of one sequence; for the batched call the per-sequence slots, cache lengths, row offsets and causal
 flags (their values are checked only on the CPU: reading device tensors back would cost a host sync per layer).
 """
