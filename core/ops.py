@@ -70,19 +70,17 @@ class LlamaArgs:
         local = set(self.sliding_layers) if self.local_rope_theta is not None else set()
         return tuple(i in local for i in range(self.num_layers))
 
+    @property
+    def window(self) -> int | None:
+        """The sliding layers' window in tokens (None where every layer attends to the whole context)."""
+        return self.sliding_window if self.sliding_layers else None
+
     def check_context(self, max_seq_len: int) -> None:
-        """A clear error where ``cache.max_seq_len`` is more than this model can attend to as served: past its
-        trained positions, or past a sliding window (served as full attention, which equals the window only while
-        every sequence fits inside it)."""
+        """A clear error where ``cache.max_seq_len`` is longer than the model's trained positions."""
         if max_seq_len > self.max_position_embeddings:
             raise UnsupportedModel(
                 f"cache.max_seq_len {max_seq_len} is longer than the model's context ({self.max_position_embeddings} "
                 "positions, max_position_embeddings): set cache.max_seq_len to at most that")
-        if self.sliding_layers and self.sliding_window is not None and max_seq_len > self.sliding_window:
-            raise UnsupportedModel(
-                f"this {self.family} model attends through a sliding window of {self.sliding_window} tokens on "
-                f"{len(self.sliding_layers)} of its {self.num_layers} layers, which specserve serves as full attention "
-                f"only within the window: set cache.max_seq_len to at most {self.sliding_window}")
 
     @classmethod
     def from_hf(cls, c: dict) -> "LlamaArgs":

@@ -27,6 +27,7 @@ transformers' (whose decode call has unpadded keys); float32 still is.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,20 +46,33 @@ EXACT_MAX_ROWS = 64
 
 
 def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mask: torch.Tensor | None,
-                   dtype: torch.dtype = torch.float32, max_len: int | None = None):
+                   dtype: torch.dtype = torch.float32, max_len: int | None = None, window: int | None = None,
+                   positions: torch.Tensor | None = None):
     """An attention function for one forward of ``num_rows`` new rows after ``cache_len`` cached ones.
 
     ``dtype`` is the model's, ``max_len`` the KV slot's capacity; without ``max_len`` every CPU forward makes one
-    plain SDPA call.
+    plain SDPA call. ``window``: a sliding-window layer's (``windowed`` says whether it hides anything here): a row
+    at position p reads keys at positions > p - window only (cache row n of the prefix is at position n, a tree row
+    at cache_len + its depth; ``positions`` [num_rows] where the caller has them, else derived from the tree).
     """
-    if device.type == "cuda":
-        return tree_attention
-
     T, end = num_rows, cache_len + num_rows
+    if not windowed(window, cache_len, T):
+        window = None
+    if device.type == "cuda":
+        if window is None:
+            return tree_attention
+        pos = positions if positions is not None else row_positions(tree_mask, cache_len, T, device)
+        return functools.partial(tree_attention, window=window, positions=pos)
+
     if cache_len == 0 and tree_mask is None:  # prefill: the prompt's rows are causal
-        return _attention([(slice(0, T), end, None, SDPA)], T, causal=True)
+        if window is None:
+            return _attention([(slice(0, T), end, None, SDPA)], T, causal=True)
+        mask = tree_mask_to_bool(None, 0, T).to(device) & _window_band(row_positions(None, 0, T, device), 0, window)
+        return _attention([(slice(0, T), end, mask, SDPA)], T)
     if max_len is None:
-        mask = None if T == 1 else tree_mask_to_bool(tree_mask, cache_len, T).to(device)  # [T, end]
+        mask = None if T == 1 and window is None else tree_mask_to_bool(tree_mask, cache_len, T).to(device)
+        if window is not None:  # [T, end]
+            mask = mask & _window_band(row_positions(tree_mask, cache_len, T, device), cache_len, window)
         return _attention([(slice(0, T), end, mask, SDPA)], T)
 
     visible = torch.ones(1, end, dtype=torch.bool, device=device) if T == 1 else \
@@ -74,12 +88,35 @@ def make_attention(device: torch.device, cache_len: int, num_rows: int, tree_mas
     calls = []  # (rows, keys, mask, form): see _attention
     if n_exact:  # the leading chain reads the keys in place; each further branch reads its path gathered
         paths = [(list(range(n_exact)), list(range(n_exact)))] + _branch_paths(visible[:, cache_len:], n_exact)
-        _decode_form_calls(calls, paths, cache_len, max_len, device)
+        _decode_form_calls(calls, paths, cache_len, max_len, device, window)
     if n_exact < T and dtype == torch.float32:  # float32 trees: the rows past the chain in one multi-row call
+        if window is not None:
+            visible = visible & _window_band(row_positions(tree_mask, cache_len, T, device), cache_len, window)
         mask = torch.zeros(T - n_exact, end, dtype=dtype, device=device).masked_fill_(
             ~visible[n_exact:], float("-inf"))  # [rows, end]
         calls.append((slice(n_exact, T), end, mask, SDPA))
     return _attention(calls, T)
+
+
+def windowed(window: int | None, cache_len: int, num_rows: int) -> bool:
+    """Whether a sliding window of ``window`` hides any key from ``num_rows`` new rows after ``cache_len`` cached
+    ones (their positions are below cache_len + num_rows, so a window at least that long hides nothing)."""
+    return window is not None and cache_len + num_rows > window
+
+
+def row_positions(tree_mask: torch.Tensor | None, cache_len: int, T: int, device: torch.device) -> torch.Tensor:
+    """The positions of ``T`` new rows after ``cache_len`` cached ones: causal rows follow each other, a tree row
+    sits at cache_len + its depth (its ancestor bits less one)."""
+    if tree_mask is None:
+        return torch.arange(cache_len, cache_len + T, device=device)
+    return cache_len + tree_mask_to_bool(tree_mask, 0, T).to(device).sum(1) - 1
+
+
+def _window_band(positions: torch.Tensor, cache_len: int, window: int) -> torch.Tensor:
+    """Bool [T, cache_len + T]: key within the window of each row (prefix row n at position n, new rows at
+    ``positions``)."""
+    keys = torch.cat([torch.arange(cache_len, device=positions.device), positions])
+    return keys[None, :] > positions[:, None] - window
 
 
 def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[int], list[int]]]:
@@ -102,7 +139,7 @@ def _branch_paths(new_visible: torch.Tensor, n_exact: int) -> list[tuple[list[in
 
 
 def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], cache_len: int, max_len: int,
-                       device: torch.device) -> None:
+                       device: torch.device, window: int | None = None) -> None:
     """Decode-form calls for the ``rows`` of each root-to-leaf ``path`` (new-row indices; the first path is the
     leading chain, in place): the row at depth d reads the cached keys, then the path's first d + 1 new rows, at
     the key positions and padding a decode step at position cache_len + d reads.
@@ -110,7 +147,8 @@ def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], ca
     Rows are grouped by their padded key count e. A group of the leading chain alone reads the keys in place
     (IN_PLACE); otherwise every path of the group is one batch entry of a single call (BATCHED): its keys gathered
     into decode-step order, its rows padded to the group's longest (the padding rows repeat its last row and are
-    dropped), so a tree costs one call per key count rather than one per branch.
+    dropped), so a tree costs one call per key count rather than one per branch. In decode-step order a key's index
+    is its position, so a ``window`` hides the keys below cache_len + depth + 1 - window, as in that decode step.
     """
     by_e: dict[int, list[tuple[list[int], list[int], list[int]]]] = {}  # e -> [(rows, their depths, path)]
     for rows, path in paths:
@@ -125,7 +163,8 @@ def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], ca
         mask = torch.full((len(entries), n, e), float("-inf"), dtype=torch.float32, device=device)  # [B, n, e]
         for b, (rows, depths, _) in enumerate(entries):
             for i in range(n):
-                mask[b, i, :cache_len + depths[min(i, len(rows) - 1)] + 1] = 0.0
+                seen = cache_len + depths[min(i, len(rows) - 1)] + 1
+                mask[b, i, max(0, seen - window) if window else 0:seen] = 0.0
         rows, _, path = entries[0]
         if len(entries) == 1 and path == list(range(len(path))):  # in place: the leading chain
             calls.append((slice(rows[0], rows[-1] + 1), e, mask[0], IN_PLACE))
@@ -230,11 +269,14 @@ def _attention(calls: list, T: int, causal: bool = False):
 
 
 def make_batched_kernel_attention(slots: torch.Tensor, cache_lens: torch.Tensor, row_starts: torch.Tensor,
-                                  tree_mask: torch.Tensor, causal: torch.Tensor):
+                                  tree_mask: torch.Tensor, causal: torch.Tensor, window: int | None = None,
+                                  positions: torch.Tensor | None = None):
     """Attention for every row of a multi-sequence step in one Triton launch per layer (CUDA): q [T, H, D] and one
-    layer of the pool k/v [num_slots, H_kv, S, D] -> [T, H, D]; the per-sequence layout is built once per step."""
+    layer of the pool k/v [num_slots, H_kv, S, D] -> [T, H, D]; the per-sequence layout is built once per step.
+    ``window``, ``positions`` [T]: a sliding-window layer's, and each row's position."""
     def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
-        return tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal)
+        return tree_attention_batched(q, k_layer, v_layer, slots, cache_lens, row_starts, tree_mask, causal,
+                                      window=window, positions=positions)
 
     return attention
 
@@ -253,10 +295,11 @@ def make_row_kernel_attention(slot: torch.Tensor, cached: torch.Tensor, base: to
 
 
 def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: torch.dtype, max_len: int,
-                                device: torch.device):
+                                device: torch.device, window: int | None = None):
     """Attention for B decode steps of different sequences in one call (CPU): q [B, H, D] and one layer of the pool
     k/v [num_slots, H_kv, S, D] -> [B, H, D]. Row b reads slot ``slots[b]``'s keys 0..cache_lens[b] (its own new key
-    included, already written), padded to the decode form's key count and masked as a lone decode step would be.
+    included, already written), padded to the decode form's key count and masked as a lone decode step would be
+    (with a sliding ``window``: keys 0..cache_lens[b] - window hidden too).
 
     Sequences with the same padded key count share one batched matmul (16-bit: ``_rowwise_attention``'s products
     per sequence, so a row keeps its bits whatever else is in the batch) or one SDPA call (float32, batch over
@@ -270,7 +313,8 @@ def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: 
     for e, members in groups.items():
         mask = torch.full((len(members), e), float("-inf"), dtype=torch.float32, device=device)  # [b, e]
         for i, b in enumerate(members):
-            mask[i, :cache_lens[b] + 1] = 0.0
+            seen = cache_lens[b] + 1
+            mask[i, max(0, seen - window) if window else 0:seen] = 0.0
         rows = torch.tensor(members, device=device)
         plan.append((rows, torch.tensor([slots[b] for b in members], device=device), e,
                      mask if dtype != torch.float32 else mask[:, None, None, :], []))

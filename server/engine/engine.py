@@ -50,13 +50,14 @@ class Engine:
         a = self.model.args
         self.device, self.dtype = target.device, target.dtype
         # the quantized CPU target in float32 (Llama's layer): every row through the row-invariant C++ attention, K/V kept in float16
+        # (the C++ attention knows no sliding window: a windowed model's rows take the PyTorch forms)
         self.exact_cpu = (self.device.type == "cpu" and self.dtype == torch.float32 and target.kernels == "qlinear"
-                          and a.plain_block)  # the fused C++ decoder computes Llama's layer only
+                          and a.plain_block and a.window is None)  # the fused C++ decoder computes Llama's layer only
         kv_dtype = torch.float16 if self.exact_cpu else self.dtype
         # a 16-bit CPU target where the C++ kernels load: every row after a cached prefix (decode steps, draft trees,
         # later prompt chunks) of every sequence through their row-invariant attention, one call per layer
         self.row_kernel = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-                           and cpu_kernels.load() is not None)
+                           and a.window is None and cpu_kernels.load() is not None)
         self.drafter = drafter or create_drafter(cfg.drafter.name, target, cfg.drafter.options_for())
         # lower layers the drafter reads: their residual stream is kept beside the last layer's, per cached token
         self.taps = tuple(getattr(self.drafter, "target_taps", ()))
@@ -70,7 +71,7 @@ class Engine:
         self.pool = KVCachePool(a.num_layers, slots, a.num_kv_heads, cfg.cache.max_seq_len,
                                 a.head_dim, width, self.dtype, self.device, kv_dtype)
         self.max_seq_len = cfg.cache.max_seq_len
-        self.layout = RowLayout(self.pool, self.device, self.dtype, self.max_seq_len, self.row_kernel)
+        self.layout = RowLayout(self.pool, self.device, self.dtype, self.max_seq_len, self.row_kernel, a.window)
         self._ids = itertools.count()
         self.prefix = PrefixCache(cfg.cache.prefix_caching)
         self.slots = Slots(self.pool, self.prefix)

@@ -32,7 +32,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "torch.Te
 @dataclass
 class Segment:
     """One sequence's new rows in a forward: rows ``start:end`` of the batch, after its ``cache_len`` cached tokens
-    in its KV slot (all layers). ``tree_mask``: int64 ancestor bits per row, or None for causal rows."""
+    in its KV slot (all layers). ``tree_mask``: int64 ancestor bits per row, or None for causal rows. ``local``: the
+    attention of the model's sliding-window layers, where their window hides keys from these rows."""
 
     start: int
     end: int
@@ -41,6 +42,7 @@ class Segment:
     cache_len: int
     tree_mask: torch.Tensor | None
     attention: AttentionFn
+    local: AttentionFn | None = None
 
 
 @dataclass
@@ -56,6 +58,7 @@ class RowGroup:
     k: torch.Tensor          # [L, num_slots, H_kv, S, D], the whole pool
     v: torch.Tensor
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q [n,H,D], k/v [slots,H_kv,S,D]
+    local: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # sliding-window layers
 
 
 @dataclass
@@ -117,11 +120,13 @@ class Block(nn.Module):
         # one attention call gives every row's output: a lone segment, or a group of the whole batch
         whole_group = group is not None and not segments and isinstance(group.rows, slice)
         o = None if (len(segments) == 1 and group is None) or whole_group else qkv.new_empty(T, H, a.head_dim)
+        local = layer in a.sliding_layers  # a sliding-window layer: its rows' own attention where the window hides keys
         if group is not None:
             k_layer, v_layer = group.k[layer], group.v[layer]  # [num_slots, H_kv, S, D]
             k_layer[group.slots, :, group.positions] = qk[group.rows, H:]
             v_layer[group.slots, :, group.positions] = qkv[group.rows, H + H_kv:]
-            out = group.attention(qk[group.rows, :H], k_layer, v_layer)
+            attend = group.local if local and group.local is not None else group.attention
+            out = attend(qk[group.rows, :H], k_layer, v_layer)
             if o is None:
                 o = out
             else:
@@ -131,7 +136,8 @@ class Block(nn.Module):
             # New rows go right after the prefix; acceptance later compacts the accepted ones into place.
             k_cache[:, s.cache_len:s.cache_len + n] = qk[s.start:s.end, H:].transpose(0, 1)
             v_cache[:, s.cache_len:s.cache_len + n] = qkv[s.start:s.end, H + H_kv:].transpose(0, 1)
-            out = s.attention(qk[s.start:s.end, :H], k_cache, v_cache, s.cache_len, s.tree_mask)  # [n, H, D]
+            attend = s.local if local and s.local is not None else s.attention
+            out = attend(qk[s.start:s.end, :H], k_cache, v_cache, s.cache_len, s.tree_mask)  # [n, H, D]
             if o is None:
                 o = out
             else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from server.engine.backend import (make_attention, make_batched_kernel_attention, make_decode_group_attention,
-                                   make_row_kernel_attention)
+                                   make_row_kernel_attention, windowed)
 from server.engine.kv_cache import KVCachePool
 from server.engine.model import CpuRows, RowGroup, Segment
 
@@ -16,9 +16,12 @@ class RowLayout:
     tree_mask)], back to back)."""
 
     def __init__(self, pool: KVCachePool, device: torch.device, dtype: torch.dtype, max_seq_len: int,
-                 row_kernel: bool):
+                 row_kernel: bool, window: int | None = None):
         self.pool, self.device, self.dtype, self.max_seq_len = pool, device, dtype, max_seq_len
         self.row_kernel = row_kernel  # a 16-bit CPU target where the C++ kernels load
+        self.window = window  # the model's sliding-window layers' (their rows get a second attention where it hides keys)
+        if row_kernel and window is not None:
+            raise ValueError("the C++ row attention knows no sliding window")
 
     def _long(self, xs) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -43,22 +46,31 @@ class RowLayout:
             # small ops per layer each); trees and prompt chunks attend per sequence
             batch_decodes = sum(len(p[1]) == 1 for p in parts) > 1
             segments, decodes, start = [], [], 0
-            for seq, tokens, _, tree_mask in parts:
+            for seq, tokens, positions, tree_mask in parts:
                 n = len(tokens)
                 if batch_decodes and n == 1:
                     decodes.append((start, seq))
                 else:
                     attn = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len)
+                    local = None
+                    if windowed(self.window, seq.cache_len, n):
+                        local = make_attention(self.device, seq.cache_len, n, tree_mask, self.dtype, self.max_seq_len,
+                                               self.window, positions)
                     segments.append(Segment(start, start + n, self.pool.k[:, seq.slot], self.pool.v[:, seq.slot],
-                                            seq.cache_len, tree_mask, attn))
+                                            seq.cache_len, tree_mask, attn, local))
                 start += n
             group = None
             if decodes:
                 slots, lens = [s.slot for _, s in decodes], [s.cache_len for _, s in decodes]
+                local = None
+                if any(windowed(self.window, n, 1) for n in lens):
+                    local = make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device,
+                                                        self.window)
                 group = RowGroup(torch.tensor([r for r, _ in decodes], device=self.device),
                                  torch.tensor(slots, device=self.device), torch.tensor(lens, device=self.device),
                                  self.pool.k, self.pool.v,
-                                 make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device))
+                                 make_decode_group_attention(slots, lens, self.dtype, self.max_seq_len, self.device),
+                                 local)
         return segments, group
 
     def cpu_rows(self, parts) -> CpuRows:
@@ -78,8 +90,8 @@ class RowLayout:
     def kernel_group(self, parts) -> RowGroup:
         """Every row of a multi-sequence forward for the batched Triton kernel: per-row slot and cache row, and the
         per-sequence layout (slot, cache length, row offsets, causal flag, tree bits) built once for all layers."""
-        slots, lens, starts, causal, masks, row_slots, row_pos = [], [], [0], [], [], [], []
-        for seq, tokens, _, tree_mask in parts:
+        slots, lens, starts, causal, masks, row_slots, row_pos, positions = [], [], [0], [], [], [], [], []
+        for seq, tokens, pos, tree_mask in parts:
             n = len(tokens)
             slots.append(seq.slot)
             lens.append(seq.cache_len)
@@ -88,10 +100,14 @@ class RowLayout:
             masks.append(tree_mask if tree_mask is not None else torch.ones(n, dtype=torch.long, device=self.device))
             row_slots += [seq.slot] * n
             row_pos += range(seq.cache_len, seq.cache_len + n)
+            positions.append(pos)
         t = self._long
+        layout = (t(slots), t(lens), t(starts), torch.cat(masks), t(causal).bool())
+        local = None
+        if any(windowed(self.window, seq.cache_len, len(tokens)) for seq, tokens, _, _ in parts):
+            local = make_batched_kernel_attention(*layout, self.window, torch.cat(positions).to(self.device))
         return RowGroup(torch.arange(starts[-1], device=self.device), t(row_slots), t(row_pos), self.pool.k,
-                        self.pool.v, make_batched_kernel_attention(t(slots), t(lens), t(starts), torch.cat(masks),
-                                                                  t(causal).bool()))
+                        self.pool.v, make_batched_kernel_attention(*layout), local)
 
 
 def row_specs(parts) -> tuple[torch.Tensor, ...]:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from core.ops import LlamaArgs, rms_norm
-from server.engine.backend import make_attention
+from server.engine.backend import make_attention, windowed
 from server.engine.model import Llama, Segment
 
 
@@ -70,8 +70,9 @@ class Target:
         segments, start = [], 0
         for n in map(len, ids):
             k = torch.zeros(a.num_layers, a.num_kv_heads, n, a.head_dim, dtype=self.dtype, device=dev)
+            local = make_attention(dev, 0, n, None, self.dtype, window=a.window) if windowed(a.window, 0, n) else None
             segments.append(Segment(start, start + n, k, torch.zeros_like(k), 0, None,
-                                    make_attention(dev, 0, n, None, self.dtype)))
+                                    make_attention(dev, 0, n, None, self.dtype), local))
             start += n
         positions = torch.cat([torch.arange(len(x), device=dev) for x in ids])
         tapped = dict.fromkeys(taps)

