@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 INDEX_NAME = "gguf-tensors.json"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: general.name kept
 
 # llama.cpp's tensor names -> transformers' (every supported family; Mistral files say "llama")
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -52,6 +52,7 @@ class GGUFFile:
     head_count: int | None
     head_count_kv: int | None
     tensors: tuple[TensorInfo, ...]
+    name: str | None = None  # general.name: the checkpoint's own name, where the file gives one
 
     @classmethod
     def open(cls, path: Path, index_dir: Path | None = None) -> "GGUFFile":
@@ -65,13 +66,15 @@ class GGUFFile:
             saved = json.loads(index.read_text())
             if saved.get("stamp") == stamp:
                 return cls(path, saved["architecture"], saved["head_count"], saved["head_count_kv"],
-                           tuple(TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in saved["tensors"]))
+                           tuple(TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in saved["tensors"]),
+                           saved["name"])
         f = cls._parse(path)
         if index is not None:
             index.parent.mkdir(parents=True, exist_ok=True)
             tmp = index.with_suffix(".tmp")
             tmp.write_text(json.dumps({"stamp": stamp, "architecture": f.architecture, "head_count": f.head_count,
-                                       "head_count_kv": f.head_count_kv, "tensors": [asdict(t) for t in f.tensors]}))
+                                       "head_count_kv": f.head_count_kv, "tensors": [asdict(t) for t in f.tensors],
+                                       "name": f.name}))
             tmp.replace(index)
         return f
 
@@ -89,7 +92,9 @@ class GGUFFile:
         heads = [field(f"{arch}.attention.{k}") for k in ("head_count", "head_count_kv")]
         tensors = tuple(TensorInfo(t.name, t.tensor_type.name, tuple(int(n) for n in t.data.shape), t.data.dtype.name,
                                    int(t.data_offset)) for t in reader.tensors)
-        return cls(path, arch, *(None if h is None else int(h) for h in heads), tensors)
+        name = field("general.name")
+        return cls(path, arch, *(None if h is None else int(h) for h in heads), tensors,
+                   str(name).strip() or None if name is not None else None)
 
     def raw(self, t: TensorInfo) -> np.ndarray:
         """The tensor's stored data, mapped from the file (read-only; nothing is read until used)."""

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -90,7 +91,8 @@ def resolve_model(source: str, cache_dir: str | os.PathLike | None = None, progr
         return ResolvedModel(source, _gguf_directory(gguf, cache, progress), gguf)
     path = Path(os.path.expanduser(source))
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem.split(".")[0], _gguf_directory(path, cache, progress), path)
+        hf_dir = _gguf_directory(path, cache, progress)
+        return ResolvedModel(gguf_model_id(GGUFFile.open(path, hf_dir)), hf_dir, path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise WeightsError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -110,6 +112,18 @@ def directory_model_id(path: Path) -> str:
     if own and not own.startswith((os.sep, ".", "~")) and own.count("/") <= 1 and not Path(own).exists():
         return own
     return path.name
+
+
+def gguf_model_id(f: GGUFFile) -> str:
+    """A GGUF file's model name: its own ``general.name``, else the file's name up to its first dot (``qwen2.5-0.5b``
+    for ``qwen2.5-0.5b.Q4_K_M.gguf`` would lose its version, so only the quantization suffixes are cut)."""
+    if f.name:
+        return f.name
+    stem = f.path.stem
+    parts = stem.split(".")
+    while len(parts) > 1 and re.fullmatch(r"I?Q\d\w*|B?F16|F32", parts[-1], re.IGNORECASE):
+        parts.pop()
+    return ".".join(parts)
 
 
 def packaged_gguf_path(name: str, cache: Path) -> Path:

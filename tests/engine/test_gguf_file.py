@@ -34,10 +34,12 @@ def test_the_target_serves_exactly_those_weights(target32, hf_model32):
     assert torch.equal(target32.model.layers[3].wqkv.weight, want)
 
 
-def _tiny_file(path: Path) -> Path:
+def _tiny_file(path: Path, name: str | None = None) -> Path:
     import gguf
 
     w = gguf.GGUFWriter(str(path), "qwen3")
+    if name is not None:
+        w.add_name(name)
     w.add_block_count(1)
     w.add_head_count(2)
     w.add_head_count_kv(1)
@@ -61,6 +63,17 @@ def test_names_and_values_of_a_qwen3_file(tmp_path):
     q = got["model.layers.0.self_attn.q_proj.weight"]
     assert q.dtype == torch.bfloat16 and torch.equal(q, torch.arange(64 * 32).reshape(64, 32).to(torch.bfloat16))
     assert got["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float32  # vectors stay float32
+
+
+def test_a_file_is_named_by_its_general_name_else_by_its_file_name(tmp_path):
+    from server.model_files import gguf_model_id
+
+    named = GGUFFile.open(_tiny_file(tmp_path / "qwen3-tiny.Q8_0.gguf", "Qwen3 Tiny Instruct"), tmp_path / "meta")
+    assert named.name == "Qwen3 Tiny Instruct" and gguf_model_id(named) == "Qwen3 Tiny Instruct"
+    assert GGUFFile.open(named.path, tmp_path / "meta").name == "Qwen3 Tiny Instruct"  # kept in the index
+    for file, want in [("qwen2.5-0.5b-instruct.Q4_K_M.gguf", "qwen2.5-0.5b-instruct"), ("tiny.gguf", "tiny"),
+                       ("llama-3.2-1b.IQ4_XS.gguf", "llama-3.2-1b"), ("gemma.BF16.gguf", "gemma")]:
+        assert gguf_model_id(GGUFFile.open(_tiny_file(tmp_path / file))) == want
 
 
 def test_the_index_is_parsed_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
