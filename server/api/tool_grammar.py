@@ -22,7 +22,8 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     In Llama 3's JSON syntax (``plan.syntax.at_start``) a call is the whole reply and has no tags: under auto the
     reply is one call or text that does not begin with ``{``. In Mistral's (``plan.syntax.opening``) the calls are
     one JSON list after ``[TOOL_CALLS]`` (the special token itself where the tokenizer has it), text before it
-    under auto.
+    under auto; in its v11 form (``plan.syntax.args_marker``) each call is ``[TOOL_CALLS]NAME[ARGS]{...}``, calls
+    back to back.
     Arguments follow each function's ``parameters`` schema, with the compact separators of ``core.grammar``.
     """
     if not plan.active:
@@ -54,6 +55,8 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
         else:
             start = ["start: TEXT | body", "TEXT: /\\s*([^\\s{](.|\\n)*)?/"]
         return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
+    if syntax.args_marker:  # each call: trigger, name, marker, arguments (Mistral's v11 tokenizers)
+        return _named_calls_lark(plan, tools, answer_rule)
     if syntax.opening:  # calls as one JSON list after the trigger (Mistral)
         trigger = f"<[{syntax.trigger_id}]>" if syntax.trigger_id is not None else _lit(syntax.trigger)
         more = "" if plan.single else f" ({_lit(', ')} body)*"
@@ -80,6 +83,33 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
                  f'first: first_hd {_lit(chr(10))} body {_lit(chr(10) + END)}',
                  "TEXT: /(.|\\n)*/"]
     return "\n".join(["%llguidance {}", *start, f"call: {call}", *rules]) + "\n"
+
+
+def _token_or_text(text: str, token_id: int | None) -> str:
+    """A grammar item for ``text``: the special token itself where it is one (llguidance's ``<[id]>``)."""
+    return f"<[{token_id}]>" if token_id is not None else _lit(text)
+
+
+def _named_calls_lark(plan: ToolPlan, tools: list, answer_rule: str | None) -> str:
+    """``tool_grammar_lark`` for a syntax whose calls are ``TRIGGER NAME MARKER ARGUMENTS``, back to back."""
+    syntax = plan.syntax
+    trigger = _token_or_text(syntax.trigger, syntax.trigger_id)
+    marker = _token_or_text(syntax.args_marker, syntax.args_marker_id)
+    rules = [f"after: {' | '.join(f'after_{i}' for i in range(len(tools)))}", f"call: {trigger} after"]
+    for i, t in enumerate(tools):
+        rules.append(f"after_{i}: {_lit(t.name)} {marker} args_{i}")
+        rules.append(f"args_{i}: {json_schema_lark(t.arguments_schema())}")
+    more = "" if plan.single else " call*"
+    if plan.choice.mode in ("named", "required"):
+        start = [f"start: call{more}"]
+    elif answer_rule is not None:
+        start = [f"start: answer | call{more}", answer_rule]
+    elif syntax.trigger_id is not None:  # a special token ends the text by itself (it is no terminal's)
+        start = [f"start: TEXT | TEXT call{more}", "TEXT: /(.|\\n)*/"]
+    else:
+        start = [f"start: TEXT | first{more}", f"first_hd[lazy]: TEXT {trigger}", "first: first_hd after",
+                 "TEXT: /(.|\\n)*/"]
+    return "\n".join(["%llguidance {}", *start, *rules]) + "\n"
 
 
 def call_schema(name: str, key: str, arguments: dict) -> dict:

@@ -86,6 +86,9 @@ class ToolCallParser:
     when it closes (any key order), and returned as content when it is no call and no call came before it. In
     ``single`` mode, blocks after the first call are ignored.
 
+    A named syntax (Mistral's v11 ``[TOOL_CALLS]NAME[ARGS]{...}``): the name is the text up to the marker, the call
+    ends with its arguments' JSON value, and only a trigger starts another.
+
     A ``syntax`` whose calls are the whole reply (Llama 3's JSON, ``at_start``): a reply whose first non-blank
     character is ``{`` and that begins as the call grammar begins a call is one call (``{"name": ..., "parameters":
     ...}``); any other reply is content, all of it.
@@ -116,7 +119,7 @@ class ToolCallParser:
         events: list[tuple] = []
         if self._phase in ("content", "text"):
             self._content(events, self._buf)
-        elif self._phase in ("head", "open") and not self.calls:
+        elif self._phase in ("head", "open", "name") and not self.calls:
             self._content(events, self._held_ws + self.syntax.trigger + self._block + self._buf)
         self._buf = ""
         self._phase = "between"
@@ -154,9 +157,19 @@ class ToolCallParser:
                 self._content(events, stripped)
                 self._held_ws = before[len(stripped):]
             self._buf, self._block = buf[at + len(trigger):], ""
-            self._phase = "open" if self.syntax.opening else "head"
+            self._phase = "open" if self.syntax.opening else "name" if self.syntax.args_marker else "head"
             if self.single and self.calls:
-                self._phase = "skip"
+                self._phase = "skip_all" if self.syntax.args_marker else "skip"
+            return True
+        if self._phase == "name":  # a named syntax (Mistral v11): the function's name, up to the marker
+            at = buf.find(self.syntax.args_marker)
+            if at < 0:
+                return False
+            call = ParsedCall(self.syntax.new_call_id(), buf[:at].strip())
+            self.calls.append(call)
+            events.append(("call", len(self.calls) - 1, call.id, call.name))
+            self._phase, self._scanner = "args", _ValueScanner()
+            self._buf = buf[at + len(self.syntax.args_marker):]
             return True
         if self._phase == "open":  # a list syntax: blanks, then the list's "["
             rest = buf.lstrip()
@@ -225,8 +238,8 @@ class ToolCallParser:
                 else:
                     events.append(("args", len(self.calls) - 1, piece))
             self._buf = buf[n:]
-            if self._scanner.done:
-                self._phase = "tail"
+            if self._scanner.done:  # a named syntax's call ends with its arguments
+                self._phase = "between" if self.syntax.args_marker else "tail"
                 return True
             return False
         if self._phase == "tail":  # the call's closing "}", and in the Hermes syntax END

@@ -46,9 +46,12 @@ class CallSyntax:
     trigger text: the JSON object's opening brace decides); ``parallel``: several calls in one reply.
 
     ``trigger`` opens the calls (Hermes: each call); a list syntax (``opening`` set: Mistral's ``[TOOL_CALLS] [``)
-    writes its calls as one JSON list after it. ``trigger_id``: the token the trigger is, where the tokenizer has it
-    as one special token (the grammar then names the token, and the reply's text keeps it). ``id_length``: the call
-    ids' length where the template demands one (Mistral's: 9 letters or digits), else OpenAI's ``call_`` + 24."""
+    writes its calls as one JSON list after it; a named syntax (``args_marker`` set: Mistral's v11 tokenizers,
+    ``[TOOL_CALLS]name[ARGS]{...}``) writes each call as the trigger, the function's name, the marker and the
+    arguments' JSON, calls back to back. ``trigger_id`` / ``args_marker_id``: the token the trigger / marker is, where
+    the tokenizer has it as one special token (the grammar then names the token, and the reply's text keeps it).
+    ``id_length``: the call ids' length where the template demands one (Mistral's: 9 letters or digits), else
+    OpenAI's ``call_`` + 24."""
 
     name: str
     args_key: str = "arguments"
@@ -58,6 +61,8 @@ class CallSyntax:
     opening: str = ""
     trigger_id: int | None = None
     id_length: int | None = None
+    args_marker: str = ""
+    args_marker_id: int | None = None
 
     def new_call_id(self) -> str:
         if self.id_length is not None:
@@ -72,6 +77,7 @@ def new_call_id() -> str:
 HERMES = CallSyntax("hermes")
 LLAMA3_JSON = CallSyntax("llama3_json", args_key="parameters", at_start=True, parallel=False, trigger="")
 MISTRAL = CallSyntax("mistral", trigger="[TOOL_CALLS]", opening=" [", id_length=9)
+MISTRAL_V11 = CallSyntax("mistral", trigger="[TOOL_CALLS]", id_length=9, args_marker="[ARGS]")
 
 
 @dataclass(frozen=True)
@@ -98,8 +104,10 @@ class ToolPlan:
 
     @property
     def kept_tokens(self) -> tuple[int, ...]:
-        """Special tokens the reply's text keeps: the call trigger where it is one (Mistral's [TOOL_CALLS])."""
-        return (self.syntax.trigger_id,) if self.active and self.syntax.trigger_id is not None else ()
+        """Special tokens the reply's text keeps: the call trigger and the arguments' marker where they are tokens
+        (Mistral's [TOOL_CALLS] and [ARGS])."""
+        ids = (self.syntax.trigger_id, self.syntax.args_marker_id) if self.active else ()
+        return tuple(i for i in ids if i is not None)
 
     def finish_reason(self, finish: str | None, calls: int) -> str | None:
         """OpenAI's finish reason: 'tool_calls' ('function_call' in the legacy shape) when the model ended on its
@@ -125,18 +133,26 @@ def template_knows_tools(tokenizer) -> bool:
 
 def template_call_syntax(tokenizer) -> CallSyntax:
     """The call syntax the model was trained on, as its chat template writes calls: a Mistral template (calls after
-    ``[TOOL_CALLS]``) -> ``MISTRAL`` (with the template's own spacing before the list, and the trigger's token id
-    where it is one special token); a Llama 3.x template (header tokens, calls rendered with a ``"parameters"`` key,
+    ``[TOOL_CALLS]``) -> ``MISTRAL_V11`` where each call's name comes before ``[ARGS]``, else ``MISTRAL`` (with the
+    template's own spacing before the list), with the token ids of the trigger and marker where they are special
+    tokens; a Llama 3.x template (header tokens, calls rendered with a ``"parameters"`` key,
     no ``<tool_call>`` blocks) -> ``LLAMA3_JSON``; any other -> ``HERMES`` (also what the system message describes
     where the template knows no tools)."""
     template = _template(tokenizer)
     if template is None or not template_knows_tools(tokenizer) or "<tool_call>" in template:
         return HERMES
     if MISTRAL.trigger in template:
-        tid = tokenizer.convert_tokens_to_ids(MISTRAL.trigger)
-        special = tid is not None and tid in special_ids(tokenizer)
+        specials = special_ids(tokenizer)
+
+        def token(text: str) -> int | None:
+            tid = tokenizer.convert_tokens_to_ids(text)
+            return int(tid) if tid is not None and tid in specials else None
+
+        if MISTRAL_V11.args_marker in template:
+            return replace(MISTRAL_V11, trigger_id=token(MISTRAL_V11.trigger),
+                           args_marker_id=token(MISTRAL_V11.args_marker))
         return replace(MISTRAL, opening=" [" if MISTRAL.trigger + " [" in template else "[",
-                       trigger_id=int(tid) if special else None)
+                       trigger_id=token(MISTRAL.trigger))
     if "<|start_header_id|>" in template and '"parameters"' in template:
         return LLAMA3_JSON
     return HERMES

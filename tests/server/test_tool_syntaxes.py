@@ -288,3 +288,118 @@ def test_mistral_grammar_where_the_trigger_is_plain_text(gtok, tokenizer):
     gtok.validate(g)
     assert accepts(gtok, tokenizer, g, "Text " + mistral_calls(("add", {"a": 3, "b": 4}))) == (True, True)
     assert accepts(gtok, tokenizer, g, "Text [TOOL_CALLS] no list")[0] is False
+
+
+# -- Mistral's v11 tokenizers: [TOOL_CALLS]NAME[ARGS]{...} --------------------------------------------------------
+# The parts of a v11 Mistral template (Mistral Small 3.x) that decide its tool syntax: each call as [TOOL_CALLS], the
+# name, [ARGS] and the arguments' JSON, calls back to back; results in [TOOL_RESULTS].
+MISTRAL_V11_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.tool_calls is defined and m.tool_calls %}{%- for tc in m.tool_calls %}"
+    "{%- set a = tc.function.arguments %}{%- if a is not string %}{%- set a = a | tojson %}{%- endif %}"
+    "{{- '[TOOL_CALLS]' + tc.function.name + '[ARGS]' + a }}{%- endfor %}{{- eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{%- else %}{{ m.content }}{{ eos_token }}{%- endif %}{%- endfor %}")
+
+
+@pytest.fixture(scope="module")
+def mistral11_tok(tokenizer):
+    tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tok.chat_template = MISTRAL_V11_TEMPLATE
+    return tok
+
+
+def v11_calls(*calls) -> str:
+    return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
+
+
+def test_mistral_v11_is_read_from_the_template(mistral11_tok):
+    from server.api.tools import MISTRAL_V11
+
+    syntax = template_call_syntax(mistral11_tok)
+    assert (syntax.name, syntax.args_marker, syntax.opening) == ("mistral", "[ARGS]", "")
+    assert syntax.trigger_id == mistral11_tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert syntax.args_marker_id == mistral11_tok.convert_tokens_to_ids("[ARGS]")
+    assert ToolPlan([ADD], ToolChoice("auto"), syntax=syntax).kept_tokens == (syntax.trigger_id,
+                                                                             syntax.args_marker_id)
+    assert template_call_syntax(mistral11_tok) != MISTRAL and MISTRAL_V11.args_marker == "[ARGS]"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_mistral_v11_calls_however_the_text_is_cut(seed):
+    from server.api.tools import MISTRAL_V11
+
+    text = "Checking. " + v11_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Paris [ARGS]}\" {"}))
+    rng = random.Random(seed)
+    for single in (False, True):
+        p = ToolCallParser(single=single, syntax=MISTRAL_V11)
+        events, at = [], 0
+        for n in [rng.randint(0, 4) for _ in range(len(text))]:
+            events += p.feed(text[at:at + n])
+            at += n
+        events += p.feed(text[at:]) + p.finish()
+        assert "".join(e[1] for e in events if e[0] == "content") == "Checking."
+        want = [("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Paris [ARGS]}\" {"})]
+        assert [(c.name, json.loads(c.arguments)) for c in p.calls] == want[:1 if single else 2]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in p.calls)
+    p = ToolCallParser(syntax=MISTRAL_V11)  # a trigger with no call after it: the text as it came
+    events = p.feed("Hi [TOOL_CALLS] no call") + p.finish()
+    assert "".join(e[1] for e in events if e[0] == "content") == "Hi [TOOL_CALLS] no call" and not p.calls
+
+
+def test_mistral_v11_grammars_name_the_special_tokens(mistral11_tok, stops):
+    gt = GrammarTokenizer(mistral11_tok, len(mistral11_tok), stops)
+    syntax = template_call_syntax(mistral11_tok)
+
+    def grammar(mode, parallel=True):
+        plan = ToolPlan([ADD, WEATHER], ToolChoice(mode, "add" if mode == "named" else None), parallel=parallel,
+                        syntax=syntax)
+        g = lark_grammar(tool_grammar_lark(plan))
+        gt.validate(g)
+        return g
+
+    two = v11_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"}))
+    auto, one_only, req, named = grammar("auto"), grammar("auto", parallel=False), grammar("required"), grammar("named")
+    assert accepts(gt, mistral11_tok, auto, "Just text.") == (True, True)
+    assert accepts(gt, mistral11_tok, auto, "Text " + two) == (True, True)
+    assert accepts(gt, mistral11_tok, auto, v11_calls(("add", {"a": "x", "b": 4})))[0] is False
+    assert accepts(gt, mistral11_tok, auto, v11_calls(("sub", {"a": 3, "b": 4})))[0] is False
+    assert accepts(gt, mistral11_tok, one_only, two)[0] is False
+    assert accepts(gt, mistral11_tok, req, "Text")[0] is False
+    assert accepts(gt, mistral11_tok, req, two) == (True, True)
+    forced = gt.matcher(named).forced()
+    assert forced[0] == syntax.trigger_id and syntax.args_marker_id in forced  # the tokens, not their spelling
+    assert mistral11_tok.decode(forced).startswith('[TOOL_CALLS]add[ARGS]{"a":')
+
+
+def test_mistral_v11_calls_through_the_openai_sdk(mistral11_tok):
+    import msgspec
+
+    text = v11_calls(("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"}))
+    worker = scripted(mistral11_tok, text)
+    worker.ready = msgspec.structs.replace(worker.ready, vocab_size=len(mistral11_tok))
+    client = sdk(worker, mistral11_tok)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60)
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"})]
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, stream=True)
+    got: dict[int, list[str]] = {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or ():
+                got.setdefault(tc.index, ["", ""])
+                got[tc.index][0] += tc.function.name or ""
+                got[tc.index][1] += tc.function.arguments or ""
+    assert [(n, json.loads(a)) for n, a in got.values()] == [("add", {"a": 3, "b": 4}), ("get_weather", {"city": "Oslo"})]
+    history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "7"}]
+    worker2 = scripted(mistral11_tok, "7.")
+    worker2.ready = worker.ready
+    sdk(worker2, mistral11_tok).chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20)
+    prompt = mistral11_tok.decode(worker2.generates[0].prompt_ids)
+    assert '[TOOL_CALLS]add[ARGS]{"a": 3, "b": 4}' in prompt
+    assert "[TOOL_RESULTS]7[/TOOL_RESULTS]" in prompt
