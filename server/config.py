@@ -65,6 +65,31 @@ LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """``server.kv_events``: where and how KV-cache events are published (server.engine.kv_events)."""
+
+    endpoint: str = "tcp://*:5557"          # the PUB socket (bound)
+    replay_endpoint: str | None = None      # the ROUTER socket answering replay requests (bound), e.g. tcp://*:5558
+    topic: str = ""                         # the first frame of every message
+    block_size: int = 16                    # tokens per block
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "KVEventsConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"server.kv_events must be a mapping, got {raw!r}")
+        unknown = set(raw) - {"endpoint", "replay_endpoint", "topic", "block_size"}
+        if unknown:
+            raise ConfigError(f"server.kv_events: unknown keys {sorted(unknown)}; valid keys: endpoint, "
+                              "replay_endpoint, topic, block_size")
+        cfg = cls(**raw)
+        if not isinstance(cfg.block_size, int) or isinstance(cfg.block_size, bool) or cfg.block_size < 1:
+            raise ConfigError(f"server.kv_events.block_size must be an int >= 1, got {cfg.block_size!r}")
+        if not isinstance(cfg.endpoint, str) or not isinstance(cfg.topic, str):
+            raise ConfigError("server.kv_events: endpoint and topic must be strings")
+        return cfg
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -86,6 +111,9 @@ class ServerConfig:
     # `worker_restarts` times in any 10 minutes, then exits with status 1 for its supervisor to restart it
     unhealthy_after_failed_steps: int = 3
     worker_restarts: int = 3
+    # KV-cache events for prefix-aware routers (server.engine.kv_events: vLLM's format over ZMQ), off when null:
+    # {endpoint: tcp://*:5557, replay_endpoint: null, topic: "", block_size: 16}
+    kv_events: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +161,8 @@ class EngineConfig:
             raise ConfigError("server.worker_restarts must be >= 0 (0: the server exits when its worker dies)")
         if self.server.max_request_tokens is not None and self.server.max_request_tokens < 1:
             raise ConfigError("server.max_request_tokens must be >= 1 (or null: no ceiling)")
+        if self.server.kv_events is not None:
+            KVEventsConfig.from_dict(self.server.kv_events)
         if self.server.draft_budget not in DRAFT_BUDGETS:
             raise ConfigError(f"server.draft_budget must be one of {DRAFT_BUDGETS}, got {self.server.draft_budget!r}")
         if self.server.logprobs_mode not in LOGPROBS_MODES:

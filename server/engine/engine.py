@@ -32,6 +32,7 @@ from server.engine.backend import compact_kv
 from server.engine.constrained import constrain_tree
 from server.engine.faults import FaultPlan, isolate
 from server.engine.kv_cache import KVCachePool, auto_num_slots, bytes_per_slot
+from server.engine.kv_events import AllBlocksCleared, BlockLedger, EventPublisher, KVEventsConfig
 from server.engine.logprobs import prompt_logprobs, token_logprobs
 from server.engine.prefix_cache import Hit, PrefixCache
 from server.engine.rows import RowLayout
@@ -73,10 +74,23 @@ class Engine:
         self.max_seq_len = cfg.cache.max_seq_len
         self.layout = RowLayout(self.pool, self.device, self.dtype, self.max_seq_len, self.row_kernel, a.window)
         self._ids = itertools.count()
-        self.prefix = PrefixCache(cfg.cache.prefix_caching)
+        self.events: EventPublisher | None = None  # KV-cache events (server.kv_events), published from a thread
+        ledger = None
+        if cfg.server.kv_events is not None:
+            events_cfg = KVEventsConfig.from_dict(cfg.server.kv_events)
+            self.events = EventPublisher(events_cfg)
+            self.events.publish([AllBlocksCleared()])  # a starting engine's cache is empty
+            ledger = BlockLedger(events_cfg.block_size, "GPU" if self.device.type == "cuda" else "CPU")
+        self.prefix = PrefixCache(cfg.cache.prefix_caching, ledger, self.events.publish if self.events else None)
         self.slots = Slots(self.pool, self.prefix)
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self.faults: FaultPlan | None = None  # a test hook (server.engine.faults): None in production
+
+    def close(self) -> None:
+        """Stop what the engine runs beside its steps (the KV-event publisher's thread and sockets)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
     @property
     def grammar_tokenizer(self) -> GrammarTokenizer:

@@ -10,7 +10,9 @@ Two kinds of entries:
   - an idle slot, left by a finished or aborted sequence: its committed rows (prompt and generated tokens that have
     KV; never rejected draft rows or tokens past a stop). Idle slots are evicted least recently used.
 
-``PrefixCache`` keeps the index, the idle slots' LRU order and the counters; the engine does the copying.
+``PrefixCache`` keeps the index, the idle slots' LRU order and the counters; the engine does the copying. Where
+KV events are published (``server.engine.kv_events``), every change of what a slot is indexed as goes through its
+``BlockLedger`` to the publisher.
 """
 from __future__ import annotations
 
@@ -137,8 +139,9 @@ class Hit:
 class PrefixCache:
     """The index plus the idle slots (least recently used first) and the counters the metrics report."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, ledger=None, publish: Callable[[list], None] | None = None):
         self.enabled = enabled   # False: finished sequences free their slots, and only running ones are indexed
+        self.ledger, self._publish = ledger, publish  # KV events (kv_events.BlockLedger and a publisher), or None
         self.index = RadixIndex()
         self.idle: OrderedDict[int, None] = OrderedDict()  # idle cached slots, least recently used first
         self.queries = self.hits = self.evictions = 0
@@ -158,7 +161,12 @@ class PrefixCache:
     def hold(self, namespace: str, tokens: list[int], slot: int) -> None:
         """A running sequence's prompt: its rows become usable as they are cached."""
         self.idle.pop(slot, None)
+        self._indexed(namespace, tokens, slot)
+
+    def _indexed(self, namespace: str, tokens: list[int], slot: int) -> None:
         self.index.insert(namespace, tokens, slot)
+        if self.ledger is not None:
+            self._publish(self.ledger.set(slot, namespace, tokens))
 
     def park(self, namespace: str, tokens: list[int], slot: int) -> bool:
         """A finished or aborted sequence leaves its committed rows: True if the slot is kept (idle), False if the
@@ -166,7 +174,7 @@ class PrefixCache:
         if not self.enabled or not tokens:
             self.drop(slot)
             return False
-        self.index.insert(namespace, tokens, slot)
+        self._indexed(namespace, tokens, slot)
         self.idle[slot] = None
         return True
 
@@ -178,6 +186,8 @@ class PrefixCache:
         """Forget a slot (its owner frees or reuses it)."""
         if slot in self.index:
             self.index.remove(slot)
+            if self.ledger is not None:
+                self._publish(self.ledger.clear(slot))
         self.idle.pop(slot, None)
 
     def evict(self) -> int | None:
