@@ -148,36 +148,48 @@ def _decode_form_calls(calls: list, paths: list[tuple[list[int], list[int]]], ca
     (IN_PLACE); otherwise every path of the group is one batch entry of a single call (BATCHED): its keys gathered
     into decode-step order, its rows padded to the group's longest (the padding rows repeat its last row and are
     dropped), so a tree costs one call per key count rather than one per branch. In decode-step order a key's index
-    is its position, so a ``window`` hides the keys below cache_len + depth + 1 - window, as in that decode step.
+    is its position, so a ``window`` hides the keys below cache_len + depth + 1 - window, as in that decode step, and
+    the row reads keys from ``window_start`` of its position only: a key range that depends on the position alone, so
+    a draft row still reads what the decode step at its position reads.
     """
-    by_e: dict[int, list[tuple[list[int], list[int], list[int]]]] = {}  # e -> [(rows, their depths, path)]
+    by_e: dict[tuple[int, int], list[tuple[list[int], list[int], list[int]]]] = {}  # (lo, e) -> [(rows, depths, path)]
     for rows, path in paths:
         depth = {r: d for d, r in enumerate(path)}
-        mine: dict[int, list[int]] = {}
+        mine: dict[tuple[int, int], list[int]] = {}
         for r in rows:
-            mine.setdefault(min(-(-(cache_len + depth[r] + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(r)
-        for e, group in mine.items():
-            by_e.setdefault(e, []).append((group, [depth[r] for r in group], path))
-    for e, entries in by_e.items():
+            seen = cache_len + depth[r] + 1
+            mine.setdefault((window_start(seen - 1, window),
+                             min(-(-seen // KEY_BLOCK) * KEY_BLOCK, max_len)), []).append(r)
+        for span, group in mine.items():
+            by_e.setdefault(span, []).append((group, [depth[r] for r in group], path))
+    for (lo, e), entries in by_e.items():
         n = max(len(rows) for rows, _, _ in entries)
-        mask = torch.full((len(entries), n, e), float("-inf"), dtype=torch.float32, device=device)  # [B, n, e]
+        mask = torch.full((len(entries), n, e - lo), float("-inf"), dtype=torch.float32, device=device)  # [B, n, e-lo]
         for b, (rows, depths, _) in enumerate(entries):
             for i in range(n):
                 seen = cache_len + depths[min(i, len(rows) - 1)] + 1
-                mask[b, i, max(0, seen - window) if window else 0:seen] = 0.0
+                mask[b, i, (max(0, seen - window) if window else 0) - lo:seen - lo] = 0.0
         rows, _, path = entries[0]
         if len(entries) == 1 and path == list(range(len(path))):  # in place: the leading chain
-            calls.append((slice(rows[0], rows[-1] + 1), e, mask[0], IN_PLACE))
+            calls.append((slice(rows[0], rows[-1] + 1), slice(lo, e), mask[0], IN_PLACE))
             continue
         row_index = torch.tensor([rows + rows[-1:] * (n - len(rows)) for rows, _, _ in entries], device=device)
         keys = []
         for _, _, path in entries:
             ks = list(range(cache_len)) + [cache_len + p for p in path]
-            keys.append((ks + list(range(len(ks), e)))[:e])  # padding: any rows of the slot, masked out
+            keys.append((ks + list(range(len(ks), e)))[lo:e])  # padding: any rows of the slot, masked out
         real = torch.tensor([b * n + i for b, (rows, _, _) in enumerate(entries) for i in range(len(rows))],
                             device=device)
         dest = torch.tensor([r for rows, _, _ in entries for r in rows], device=device)
         calls.append(((row_index, real, dest), torch.tensor(keys, device=device), mask, BATCHED))
+
+
+def window_start(position: int, window: int | None) -> int:
+    """The first key a decode-form row at ``position`` reads: its window's first visible key rounded down to a key
+    block (0 without a window), so every row at that position reads the same key range."""
+    if not window:
+        return 0
+    return max(0, position + 1 - window) // KEY_BLOCK * KEY_BLOCK
 
 
 def _rowwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -219,7 +231,8 @@ def _attention(calls: list, T: int, causal: bool = False):
     """The attention of one forward from its calls (rows, keys, mask, form):
 
     - SDPA: rows (a slice) over keys 0..keys-1 in place, additive or bool ``mask`` [rows, keys] (or None);
-    - IN_PLACE: decode-form rows (a slice) over keys 0..keys-1 in place, additive fp32 ``mask`` [rows, keys]
+    - IN_PLACE: decode-form rows (a slice) over the keys of the slice ``keys`` in place, additive fp32 ``mask``
+      [rows, len(keys)]
       (16-bit dtypes: ``_rowwise_attention``; float32: SDPA per row, a decode step's call);
     - BATCHED: 16-bit decode-form paths, rows = (row index [B, n], real entries [m] of the flattened [B * n],
       their rows of the output [m]), keys = key index [B, e] into the slot, mask [B, n, e].
@@ -245,7 +258,8 @@ def _attention(calls: list, T: int, causal: bool = False):
                 outs.append(o.view(-1, *q.shape[1:]).index_select(0, real))
                 continue
             qr = q if len(calls) == 1 else q[rows]
-            kc, vc = k_cache[:, :keys], v_cache[:, :keys]
+            span = keys if isinstance(keys, slice) else slice(0, keys)
+            kc, vc = k_cache[:, span], v_cache[:, span]
             if form == IN_PLACE and q.dtype != torch.float32:
                 outs.append(_rowwise_attention(qr, kc, vc, mask))
                 continue
@@ -299,24 +313,25 @@ def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: 
     """Attention for B decode steps of different sequences in one call (CPU): q [B, H, D] and one layer of the pool
     k/v [num_slots, H_kv, S, D] -> [B, H, D]. Row b reads slot ``slots[b]``'s keys 0..cache_lens[b] (its own new key
     included, already written), padded to the decode form's key count and masked as a lone decode step would be
-    (with a sliding ``window``: keys 0..cache_lens[b] - window hidden too).
+    (with a sliding ``window``: keys 0..cache_lens[b] - window hidden too, and the keys before the decode form's
+    ``window_start`` not read).
 
     Sequences with the same padded key count share one batched matmul (16-bit: ``_rowwise_attention``'s products
     per sequence, so a row keeps its bits whatever else is in the batch) or one SDPA call (float32, batch over
     sequences); their keys are gathered from the pool once per layer. Per-sequence calls cost a few dozen small ops
     each per layer: at 64 sequences that was more than the matmuls of the whole step.
     """
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, int], list[int]] = {}
     for b, n in enumerate(cache_lens):
-        groups.setdefault(min(-(-(n + 1) // KEY_BLOCK) * KEY_BLOCK, max_len), []).append(b)
+        groups.setdefault((window_start(n, window), min(-(-(n + 1) // KEY_BLOCK) * KEY_BLOCK, max_len)), []).append(b)
     plan = []
-    for e, members in groups.items():
-        mask = torch.full((len(members), e), float("-inf"), dtype=torch.float32, device=device)  # [b, e]
+    for (lo, e), members in groups.items():
+        mask = torch.full((len(members), e - lo), float("-inf"), dtype=torch.float32, device=device)  # [b, e - lo]
         for i, b in enumerate(members):
             seen = cache_lens[b] + 1
-            mask[i, max(0, seen - window) if window else 0:seen] = 0.0
+            mask[i, (max(0, seen - window) if window else 0) - lo:seen - lo] = 0.0
         rows = torch.tensor(members, device=device)
-        plan.append((rows, torch.tensor([slots[b] for b in members], device=device), e,
+        plan.append((rows, torch.tensor([slots[b] for b in members], device=device), slice(lo, e),
                      mask if dtype != torch.float32 else mask[:, None, None, :], []))
 
     def attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor) -> torch.Tensor:
@@ -324,13 +339,13 @@ def make_decode_group_attention(slots: list[int], cache_lens: list[int], dtype: 
         Hkv = k_layer.shape[1]
         g = H // Hkv
         out = q.new_empty(q.shape) if len(plan) > 1 else None
-        for rows, slot_ids, e, mask, buffers in plan:
+        for rows, slot_ids, span, mask, buffers in plan:
             qr = q if out is None else q[rows]
             if not buffers:  # the group's gather buffers, reused by every layer of the step (a fresh gather per
                 # layer faulted in new pages each time: at 256 sequences most of the step went to the kernel)
-                buffers += [k_layer.new_empty(len(slot_ids), Hkv, e, D) for _ in range(2)]
-            k = torch.index_select(k_layer[:, :, :e], 0, slot_ids, out=buffers[0])  # [b, H_kv, e, D]
-            v = torch.index_select(v_layer[:, :, :e], 0, slot_ids, out=buffers[1])
+                buffers += [k_layer.new_empty(len(slot_ids), Hkv, span.stop - span.start, D) for _ in range(2)]
+            k = torch.index_select(k_layer[:, :, span], 0, slot_ids, out=buffers[0])  # [b, H_kv, e - lo, D]
+            v = torch.index_select(v_layer[:, :, span], 0, slot_ids, out=buffers[1])
             if dtype == torch.float32:
                 o = F.scaled_dot_product_attention(qr.unsqueeze(2), k, v, attn_mask=mask,
                                                    enable_gqa=True).squeeze(2)  # [b, H, D]
