@@ -168,3 +168,62 @@ def test_adapter_rules_map_pods():
         assert rule["resources"]["overrides"]["namespace"]["resource"] == "namespace"
         for tmpl in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
             assert tmpl in rule["metricsQuery"]
+
+
+# -- the Inference Extension's pool and endpoint picker (inference-pool.yaml) -----------------------------------------
+def _gauges() -> dict[str, str]:
+    """The server's metric families and their types, as its registry exposes them."""
+    from server.metrics import Metrics
+
+    return {m.name: m.type for m in Metrics("m", "none").registry.collect()}
+
+
+def test_the_inference_pool_keeps_the_v1_crds_rules_and_selects_the_server_pods():
+    """The rules InferencePool v1's CRD states (selector of 1..64 labels, 1..8 unique target ports, a picker
+    reference with a name and, for a Service, its port, failureMode FailOpen or FailClose), and what they refer to."""
+    pool = k8s_find("InferencePool", "specserve")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    labels = spec["selector"]["matchLabels"]
+    assert 1 <= len(labels) <= 64 and set(spec) <= {"selector", "targetPorts", "endpointPickerRef", "appProtocol"}
+    ports = [p["number"] for p in spec["targetPorts"]]
+    assert 1 <= len(ports) <= 8 and len(set(ports)) == len(ports) and all(1 <= p <= 65535 for p in ports)
+    pod_labels = k8s_find("Deployment", "specserve")["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() <= pod_labels.items()  # the server's pods
+    epp_pod = k8s_find("Deployment", "specserve-epp")["spec"]["template"]["metadata"]["labels"]
+    assert not labels.items() <= epp_pod.items()  # and not the picker's
+    assert ports == [container_port("http")]
+    ref = spec["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref.get("group", "") == "" and ref["name"]
+    assert ref.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
+    svc = k8s_find("Service", ref["name"])
+    port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    epp = k8s_find("Deployment", ref["name"])
+    assert svc["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    (c,) = epp["spec"]["template"]["spec"]["containers"]
+    grpc = next(p for p in c["ports"] if p["name"] == port["targetPort"])
+    assert f"--grpc-port={grpc['containerPort']}" in c["args"] and f"--pool-name={pool['metadata']['name']}" in c["args"]
+
+
+def test_the_picker_reads_the_servers_own_gauges():
+    """The picker's config (mounted where --config-file says) names metrics the server exports, as gauges: queued
+    and running requests and the KV-cache usage fraction; every plugin a profile uses is declared."""
+    epp = k8s_find("Deployment", "specserve-epp")["spec"]["template"]["spec"]
+    (c,) = epp["containers"]
+    path = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--config-file="))
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    vol = next(v for v in epp["volumes"] if v["name"] == mount["name"])
+    cfg = yaml.safe_load(k8s_find("ConfigMap", vol["configMap"]["name"])["data"][path.rsplit("/", 1)[1]])
+    assert cfg["kind"] == "EndpointPickerConfig"
+    plugins = {p.get("name", p["type"]): p for p in cfg["plugins"]}
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    engine = next(e for e in extractor["engineConfigs"] if e["name"] == extractor["defaultEngine"])
+    gauges = _gauges()
+    for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
+        assert gauges.get(engine[key]) == "gauge", (key, engine[key])
+    for profile in cfg["schedulingProfiles"]:
+        assert {p["pluginRef"] for p in profile["plugins"]} <= set(plugins)
+    for source in cfg["dataLayer"]["sources"]:
+        assert source["pluginRef"] in plugins and {e["pluginRef"] for e in source["extractors"]} <= set(plugins)
+    assert plugins["metrics-data-source"]["parameters"]["path"] == k8s_find(
+        "PodMonitor", None)["spec"]["podMetricsEndpoints"][0]["path"]
