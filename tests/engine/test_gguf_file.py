@@ -65,6 +65,37 @@ def test_names_and_values_of_a_qwen3_file(tmp_path):
     assert got["model.layers.0.self_attn.q_proj.bias"].dtype == torch.float32  # vectors stay float32
 
 
+def test_the_header_walk_reads_the_index_the_gguf_reader_reads(tmp_path):
+    """``GGUFFile._parse`` (our walk over the header, stepping over metadata arrays) against the ``gguf`` package's
+    reader: the embedded file (Q4_1 / F32, a 49k-token vocabulary) and a file written here (F32, F16 and Q8_0
+    tensors, a name, a non-default alignment)."""
+    import gguf
+
+    from server.model_files import embedded_gguf_path
+
+    path = tmp_path / "mixed.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_name("Mixed")
+    w.add_custom_alignment(64)
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(300)])
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(300)])
+    w.add_tensor("blk.0.attn_q.weight", np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
+    w.add_tensor("blk.0.attn_k.weight", np.ones((32, 32), dtype=np.float16))
+    q8 = gguf.quants.quantize(np.linspace(-1, 1, 32 * 64, dtype=np.float32).reshape(32, 64),
+                              gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_v.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (embedded_gguf_path(), path):
+        assert GGUFFile._parse(p) == GGUFFile._parse_with_reader(p), p.name
+    assert {t.type for t in GGUFFile._parse(path).tensors} == {"F32", "F16", "Q8_0"}
+
+
 def test_a_file_is_named_by_its_general_name_else_by_its_file_name(tmp_path):
     from server.model_files import gguf_model_id
 
