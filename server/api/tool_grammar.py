@@ -58,7 +58,7 @@ def tool_grammar_lark(plan: ToolPlan, answer: ResponseFormat | None = None) -> s
     if syntax.args_marker:  # each call: trigger, name, marker, arguments (Mistral's v11 tokenizers)
         return _named_calls_lark(plan, tools, answer_rule)
     if syntax.opening:  # calls as one JSON list after the trigger (Mistral)
-        trigger = f"<[{syntax.trigger_id}]>" if syntax.trigger_id is not None else _lit(syntax.trigger)
+        trigger = _token_or_text(syntax.trigger, syntax.trigger_id)
         more = "" if plan.single else f" ({_lit(', ')} body)*"
         calls = f"{_lit(syntax.opening)} body{more} {_lit(']')}"
         if plan.choice.mode in ("named", "required"):

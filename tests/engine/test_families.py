@@ -145,6 +145,11 @@ def test_batched_equals_alone(tiny):
     alone = plain_tokens(Engine(cfg, target=target), prompts, MAX_NEW)
     engine = Engine(cfg, OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, alone)}, kinds=("chain", "bushy"),
                                            max_rows=8, vocab_size=V), target)
+    assert _together(engine, prompts) == alone
+
+
+def _together(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Every prompt's greedy output with all sequences stepped in one forward per step."""
     seqs = [engine.add(p, max_new_tokens=MAX_NEW) for p in prompts]
     for s in seqs:
         engine.prefill(s)
@@ -152,7 +157,7 @@ def test_batched_equals_alone(tiny):
         engine.run(StepPlan(decode=[s for s in seqs if s.finish_reason is None]))
     for s in seqs:
         engine.release(s)
-    assert [s.output_ids for s in seqs] == alone
+    return [s.output_ids for s in seqs]
 
 
 def test_a_prefix_hit_equals_a_miss(tiny):
@@ -356,12 +361,5 @@ def test_bfloat16_speculation_through_a_sliding_window_equals_plain(tiny):
     drafter = OracleTreeDrafter({tuple(p): w for p, w in zip(prompts, plain)}, kinds=("chain", "bushy"), max_rows=16,
                                 vocab_size=V)
     assert tokens_per_step(assert_lossless(Engine(cfg, drafter, target), prompts, plain, MAX_NEW)) > 1.5
-    engine = Engine(cfg, target=target)  # decode steps of every sequence in one call (make_decode_group_attention)
-    seqs = [engine.add(p, max_new_tokens=MAX_NEW) for p in prompts]
-    for s in seqs:
-        engine.prefill(s)
-    while any(s.finish_reason is None for s in seqs):
-        engine.run(StepPlan(decode=[s for s in seqs if s.finish_reason is None]))
-    for s in seqs:
-        engine.release(s)
-    assert [s.output_ids for s in seqs] == plain
+    # decode steps of every sequence in one call (make_decode_group_attention)
+    assert _together(Engine(cfg, target=target), prompts) == plain
