@@ -1,4 +1,4 @@
-"""The server's commands of the `specserve` command line: generate, serve, bench offline/steps/serve (the `train`
+"""The server's commands of the `specserve` command line: generate, serve, cluster, bench offline/steps/serve (the `train`
 commands are ``training.cli``'s; ``specserve.cli`` puts both together), and the option helpers both use.
 
 Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from core.ops import DTYPES, QUANTIZATIONS
 from server.bench.records import RESULTS
@@ -144,6 +145,31 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(cfg, host, port, keys, drain_timeout=a.drain_timeout)
 
 
+def parse_cores(text: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6]."""
+    cores = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cores += range(int(lo), int(hi or lo) + 1)
+    if not cores:
+        raise ValueError(f"--cores {text!r} names no core")
+    return cores
+
+
+def cmd_cluster(a: argparse.Namespace) -> int:
+    from server.cluster import Cluster, ClusterError, load_raw_config
+
+    cluster = Cluster(load_raw_config(a.config), a.replicas, a.router, a.policy, a.host, a.port, a.base_port,
+                      Path(a.run_dir), a.drain_timeout, parse_cores(a.cores) if a.cores else None)
+    try:
+        cluster.start(log=log_stderr)
+    except ClusterError as e:
+        print(f"specserve cluster: error: {e}", file=sys.stderr)
+        return 1
+    log_stderr(f"cluster ready: {cluster.url}/v1 ({a.replicas} replicas behind {a.router}-router)")
+    return cluster.serve_forever()
+
+
 # `bench serve` options that belong to one workload: flag -> (attribute, workload, default)
 _WORKLOAD_OPTIONS = {"--conversations": ("conversations", "multi-turn", 4), "--turns": ("turns", "multi-turn", 6),
                      "--history-tokens": ("history_tokens", "multi-turn", 1800),
@@ -245,6 +271,26 @@ def add_commands(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
     s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("cluster", help="N serve replicas on this host, each on its own cores, behind sglang-router "
+                       "or vllm-router (pip install 'specserve[cluster]')")
+    c.add_argument("--config", default=None, help="YAML config every replica serves (default: embedded model)")
+    c.add_argument("--replicas", type=int, default=2)
+    c.add_argument("--router", choices=["sglang", "vllm"], default="sglang",
+                   help="sglang: SGLang's model gateway (sglang-router); vllm: vLLM's router (vllm-router)")
+    c.add_argument("--policy", default="cache_aware", help="the router's policy: cache_aware (a request to the "
+                   "replica it shares the longest text prefix with), round_robin, random, power_of_two; vllm also "
+                   "consistent_hash (by the X-Session-ID header or the request's `user`)")
+    c.add_argument("--host", default="127.0.0.1", help="the router's bind address")
+    c.add_argument("--port", type=int, default=8000, help="the router's port")
+    c.add_argument("--base-port", type=int, default=None, help="replica i listens on 127.0.0.1:BASE_PORT+i "
+                   "(default: --port + 1)")
+    c.add_argument("--cores", default=None, help="the cores to split among the replicas, e.g. 0-7 or 0,2,4,6 "
+                   "(default: all this process may use)")
+    c.add_argument("--run-dir", default="cluster-run", help="replica configs and logs (default ./cluster-run)")
+    c.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a replica's streams may take to finish when the cluster stops")
+    c.set_defaults(func=cmd_cluster)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

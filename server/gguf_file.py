@@ -14,6 +14,7 @@ weights as 1 + w, so w = stored - 1 (in float32, as transformers computes it).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
@@ -72,7 +73,7 @@ class GGUFFile:
         f = cls._parse(path)
         if index is not None:
             index.parent.mkdir(parents=True, exist_ok=True)
-            tmp = index.with_suffix(".tmp")
+            tmp = index.with_suffix(f".{os.getpid()}.tmp")  # a process of its own each (replicas starting together)
             tmp.write_text(json.dumps({"stamp": stamp, "architecture": f.architecture, "head_count": f.head_count,
                                        "head_count_kv": f.head_count_kv, "tensors": [asdict(t) for t in f.tensors],
                                        "name": f.name}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -210,8 +211,10 @@ def _remember(path: Path | None, known: dict, what: str) -> None:
     """Write a measurement file back (``path`` None: no cache directory, nothing to write)."""
     if path is None:
         return
-    try:
-        path.write_text(json.dumps(known, indent=1))
+    try:  # written whole under another name, then renamed: a replica starting beside this one never reads half
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
     except OSError as e:  # a read-only cache (a baked container image): measure again next start
         log.warning("could not remember the %s in %s: %s", what, path, e)
 
