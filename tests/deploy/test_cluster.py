@@ -1,5 +1,6 @@
 """`specserve cluster`: two real replicas (each pinned to its own core) behind the real router binaries,
-sglang-router and vllm-router, on loopback. Conversations' later turns land on the replica that holds their history;
+sglang-router and vllm-router, on loopback. Conversations' later turns land on the replica that holds their history,
+and each replica publishes every block they store as KV events (ZMQ, a port of its own);
 a replica killed mid-run loses no request the router could retry (only those it was running) and is started again; a
 draining replica (SIGTERM) finishes its streams."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,15 +16,21 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import yaml
+import zmq
 
+from server.api.generation import cache_namespace
 from server.cluster import core_groups, replica_config, router_command
+from server.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch
+from tests.engine.test_kv_events import expected_hash
 from tests.server.conftest import free_port, metric, scrape, wait_until
 
 pytestmark = pytest.mark.server
 
 MODEL = "SmolLM2-135M-Instruct"
+BS = 16  # the replicas' KV-event block size
 TOPICS = ["rivers", "volcanoes", "bread", "chess", "bees", "glaciers", "violins", "lighthouses", "comets", "tea",
           "bridges", "owls", "deserts", "clocks", "coral", "kites"]
 
@@ -44,20 +52,37 @@ def test_cores_are_split_and_each_replica_gets_its_own_ports():
     assert "launch" not in router_command("vllm", "vllm-router", "h", 1, ["u"], "random")
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports."""
+    while True:
+        first = free_port()
+        if all(_free(first + i) for i in range(1, n)):
+            return first
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
 class ClusterRun:
     """`specserve cluster` as a user starts it, in a process of its own."""
 
     def __init__(self, tmp: Path, router: str):
         self.router = router
         self.dir, self.port = tmp, free_port()
-        self.base = free_port()
-        while self.base + 1 == self.port or free_port() == self.base + 1:  # two free ports in a row for replicas
-            self.base = free_port()
+        self.base, events = free_ports(2), free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         self.replicas = [f"http://127.0.0.1:{self.base + i}" for i in range(2)]
+        self.events = [f"tcp://127.0.0.1:{events + i}" for i in range(2)]  # the cluster moves replica i's by i
         cfg = {"model": {"source": "embedded", "dtype": "float32", "device": "cpu"},
                "cache": {"num_slots": 16, "max_seq_len": 512},
-               "server": {"allow_ignore_eos": True}}
+               "server": {"allow_ignore_eos": True,
+                          "kv_events": {"endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv", "block_size": BS}}}
         (tmp / "cluster.yaml").write_text(yaml.safe_dump(cfg))
         self.log = open(tmp / "cluster.log", "w+")
         self.proc = subprocess.Popen(
@@ -128,15 +153,69 @@ def test_later_turns_land_where_their_history_is_cached(cluster):
                      {"role": "user", "content": f"And then, part {turn + 2}?"}]
         return out
 
+    subs = []
+    for endpoint in cluster.events:  # each replica's KV events, read at full speed while the conversations run
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(endpoint)
+        subs.append(sub)
+    batches: list[list[tuple[int, KVEventBatch]]] = [[], []]
+    reading = threading.Event()
+    reading.set()
+
+    def read() -> None:
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        poller = zmq.Poller()
+        for sub in subs:
+            poller.register(sub, zmq.POLLIN)
+        while reading.is_set() or poller.poll(500):
+            for sub, _ in poller.poll(100):
+                _, seq, payload = sub.recv_multipart()
+                batches[subs.index(sub)].append((int.from_bytes(seq, "big"), dec.decode(payload)))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)  # the subscriptions reach the publishers
     before = [cluster.served(i) for i in range(2)]
-    with cf.ThreadPoolExecutor(16) as ex:
-        later = [x for conv in ex.map(conversation, range(16)) for x in conv]
+    try:
+        with cf.ThreadPoolExecutor(16) as ex:
+            histories = list(ex.map(conversation, range(16)))
+    finally:
+        reading.clear()
+        reader.join()
+        for sub in subs:
+            sub.close()
+    later = [x for conv in histories for x in conv]
     hits = sum(cached >= 0.9 * history for cached, history in later)
     # sglang-router put all of them where their history was, every run here; vllm-router's cache_aware 81-96%
     # (a cache-blind choice: about half)
     assert len(later) == 48 and hits >= (0.9 if cluster.router == "sglang" else 0.7) * len(later), later
     served = [cluster.served(i) - before[i] for i in range(2)]
     assert min(served) >= 0.25 * sum(served), served  # both replicas took conversations
+    # The 64 requests' KV events: each replica's batches in order with none missing, every stored block's hash
+    # the stated function of its tokens and its parent, a parent stored before its child, only stored blocks removed
+    depth: dict[int, int] = {}
+    namespace = cache_namespace("", None, True, "")  # the partition of requests without an API key
+    for got in batches:
+        seqs = [seq for seq, _ in got]
+        assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs[:20]
+        held: dict[int, int] = {}  # this replica's stored blocks -> depth
+        for _, batch in got:
+            for e in batch.events:
+                if isinstance(e, BlockStored):
+                    parent = e.parent_block_hash
+                    assert parent is None or parent in held, "a block stored before its parent"
+                    for n, h in enumerate(e.block_hashes):
+                        assert h == expected_hash(parent, namespace, e.token_ids[n * BS:(n + 1) * BS])
+                        held[h] = (0 if parent is None else held[parent]) + 1
+                        parent = h
+                elif isinstance(e, BlockRemoved):
+                    assert all(h in held for h in e.block_hashes)
+        depth.update(held)
+    # every conversation's whole history (its last prompt's full blocks) was published as one chain
+    deepest = min(prompt for conv in histories for _, prompt in conv[-1:]) // BS
+    assert sum(d == deepest for d in depth.values()) >= 16, (deepest, sorted(depth.values())[-20:])
 
 
 def test_a_killed_replica_loses_no_request_the_router_could_retry(cluster):
