@@ -1,5 +1,5 @@
-"""The server's commands of the `specserve` command line: generate, serve, cluster, bench offline/steps/serve (the `train`
-commands are ``training.cli``'s; ``specserve.cli`` puts both together), and the option helpers both use.
+"""The server's commands of the `specserve` command line: generate, serve, cluster, bench offline/steps/serve (the
+`train` commands are ``training.cli``'s; ``specserve.cli`` puts both together), and the option helpers both use.
 
 Every command that loads the model takes ``--config`` and the overrides ``--dtype`` / ``--device``; the ones that run a
 drafter (serve, generate, bench offline) also take ``--drafter``. ``bench serve`` only talks to a running server over

@@ -219,10 +219,10 @@ def test_later_turns_land_where_their_history_is_cached(cluster):
 
 
 def test_a_killed_replica_loses_no_request_the_router_could_retry(cluster):
-    """Replica 1 killed (its API process and worker, SIGKILL) while 8 clients send requests: every request sent
-    after the kill succeeds (the router retries it elsewhere, and its health check takes the replica out); a
-    request that fails was one in flight at the kill (a router does not resend a request a replica had taken), and
-    fails at once with the router's 5xx; the cluster starts the replica again."""
+    """Replica 1 killed (its API process and worker, SIGKILL) once it runs a request, 8 clients sending: every
+    request sent after the kill succeeds (the router retries it elsewhere, and its health check takes the replica
+    out); a request that fails was one in flight at the kill (a router does not resend a request a replica had
+    taken), and fails at once with the router's 5xx; the cluster starts the replica again."""
     results, kill_at = [], []
 
     def one(i: int) -> None:
@@ -244,10 +244,16 @@ def test_a_killed_replica_loses_no_request_the_router_could_retry(cluster):
         os.killpg(old, signal.SIGKILL)
         kill_at.append((time.monotonic(), old))
 
+    def client(c: int) -> None:  # until 24 requests have started after the kill (at most 30 each)
+        for i in range(30):
+            if kill_at and sum(t0 > kill_at[0][0] for t0, _, _ in results) >= 24:
+                return
+            one(100 * c + i)
+
     killer = threading.Thread(target=kill)
     killer.start()
     with cf.ThreadPoolExecutor(8) as ex:
-        list(ex.map(one, range(48)))
+        list(ex.map(client, range(8)))
     killer.join()
     (at, old), = kill_at
     after = [status for t0, _, status in results if t0 > at]
