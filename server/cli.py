@@ -160,7 +160,8 @@ def cmd_cluster(a: argparse.Namespace) -> int:
     from server.cluster import Cluster, ClusterError, load_raw_config
 
     cluster = Cluster(load_raw_config(a.config), a.replicas, a.router, a.policy, a.host, a.port, a.base_port,
-                      Path(a.run_dir), a.drain_timeout, parse_cores(a.cores) if a.cores else None)
+                      Path(a.run_dir), a.drain_timeout, parse_cores(a.cores) if a.cores else None,
+                      a.router_metrics_port)
     try:
         cluster.start(log=log_stderr)
     except ClusterError as e:
@@ -287,6 +288,8 @@ def add_commands(sub) -> None:
                    "(default: --port + 1)")
     c.add_argument("--cores", default=None, help="the cores to split among the replicas, e.g. 0-7 or 0,2,4,6 "
                    "(default: all this process may use)")
+    c.add_argument("--router-metrics-port", type=int, default=29000,
+                   help="the router's own Prometheus metrics on 127.0.0.1 (default 29000)")
     c.add_argument("--run-dir", default="cluster-run", help="replica configs and logs (default ./cluster-run)")
     c.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds a replica's streams may take to finish when the cluster stops")

@@ -75,12 +75,14 @@ def replica_config(raw: dict, port: int, index: int) -> dict:
     return cfg
 
 
-def router_command(router: str, binary: str, host: str, port: int, urls: list[str], policy: str) -> list[str]:
+def router_command(router: str, binary: str, host: str, port: int, urls: list[str], policy: str,
+                   metrics_port: int = 29000) -> list[str]:
     """The router's command line: ``urls`` behind ``host:port``; health checks every second, a replica out after
     two failures and back in after one success; a request that reached no replica retried up to 4 times over about
     3 s, long enough for the health check to take a dead one out."""
     cmd = [binary] + (["launch"] if router == "sglang" else [])
     cmd += ["--host", host, "--port", str(port), "--worker-urls", *urls, "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
             "--health-failure-threshold", "2", "--health-success-threshold", "1",
             "--disable-circuit-breaker",  # sglang-router's never let a restarted replica back in
@@ -131,6 +133,7 @@ class Cluster:
     run_dir: Path = Path("cluster-run")
     drain_timeout: float = 30.0
     cores: list[int] | None = None  # the cores to split (default: those this process may run on)
+    router_metrics_port: int = 29000  # the router's own Prometheus metrics (both routers' default port)
     members: list[Replica] = field(default_factory=list)
     router_proc: subprocess.Popen | None = None
 
@@ -165,7 +168,8 @@ class Cluster:
             urls = [r.url for r in self.members]
             router_log = self.run_dir / "router.log"
             self.router_proc = subprocess.Popen(
-                router_command(self.router, binary, self.host, self.port, urls, self.policy),
+                router_command(self.router, binary, self.host, self.port, urls, self.policy,
+                               self.router_metrics_port),
                 stdout=open(router_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
             self._wait(self.url, deadline, self.router_proc, f"{self.router}-router", router_log)
             log(f"{self.router}-router ({self.policy}): {self.url} -> {', '.join(urls)} (log {router_log})")

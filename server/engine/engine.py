@@ -80,7 +80,9 @@ class Engine:
             events_cfg = KVEventsConfig.from_dict(cfg.server.kv_events)
             self.events = EventPublisher(events_cfg)
             self.events.publish([AllBlocksCleared()])  # a starting engine's cache is empty
-            ledger = BlockLedger(events_cfg.block_size, "GPU" if self.device.type == "cuda" else "CPU")
+            # "GPU": vLLM's name for the engine's own KV cache on any device ("CPU" means an offloaded tier, which
+            # routers credit less: vLLM's kv_aware policy at 0.8)
+            ledger = BlockLedger(events_cfg.block_size, "GPU")
         self.prefix = PrefixCache(cfg.cache.prefix_caching, ledger, self.events.publish if self.events else None)
         self.slots = Slots(self.pool, self.prefix)
         self._grammar_tokenizer: GrammarTokenizer | None = None

@@ -41,21 +41,24 @@ REPLAY_BATCHES = 10_000
 QUEUE_EVENTS = 100_000
 
 
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+# Each event a map tagged by its class name under "type" (msgspec's tag=True), as vLLM sends them since it dropped
+# positional events; the batch stays the positional [ts, events, data_parallel_rank] its consumers read.
+class BlockStored(msgspec.Struct, gc=False, tag=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class BlockRemoved(msgspec.Struct, gc=False, tag=True):
     block_hashes: list[int]
     medium: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class AllBlocksCleared(msgspec.Struct, gc=False, tag=True):
     pass
 
 

@@ -82,12 +82,13 @@ class ClusterRun:
         cfg = {"model": {"source": "embedded", "dtype": "float32", "device": "cpu"},
                "cache": {"num_slots": 16, "max_seq_len": 512},
                "server": {"allow_ignore_eos": True,
-                          "kv_events": {"endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv", "block_size": BS}}}
+                          "kv_events": {"endpoint": f"tcp://127.0.0.1:{events}", "topic": "", "block_size": BS}}}
         (tmp / "cluster.yaml").write_text(yaml.safe_dump(cfg))
         self.log = open(tmp / "cluster.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specserve", "cluster", "--config", str(tmp / "cluster.yaml"), "--replicas", "2",
-             "--router", router, "--port", str(self.port), "--base-port", str(self.base), "--run-dir",
+             "--router", router, "--port", str(self.port), "--base-port", str(self.base),
+             "--router-metrics-port", str(free_port()), "--run-dir",
              str(tmp / "run")], stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -157,7 +158,7 @@ def test_later_turns_land_where_their_history_is_cached(cluster):
     for endpoint in cluster.events:  # each replica's KV events, read at full speed while the conversations run
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(endpoint)
         subs.append(sub)
     batches: list[list[tuple[int, KVEventBatch]]] = [[], []]
@@ -216,6 +217,52 @@ def test_later_turns_land_where_their_history_is_cached(cluster):
     # every conversation's whole history (its last prompt's full blocks) was published as one chain
     deepest = min(prompt for conv in histories for _, prompt in conv[-1:]) // BS
     assert sum(d == deepest for d in depth.values()) >= 16, (deepest, sorted(depth.values())[-20:])
+
+
+def test_vllm_routers_kv_aware_policy_routes_by_the_replicas_kv_events(cluster, tokenizer):
+    """vLLM's router with its kv_aware policy, subscribed to both replicas' KV events (nothing else tells it what
+    they cache): 8 prompts sent at once spread over the replicas; a later prompt that shares one's first 48 tokens
+    goes to the replica holding them (cached_tokens >= 48), every time. A router that could not read the events
+    would send them by load alone (sequentially: all to one replica)."""
+    if cluster.router != "vllm":
+        pytest.skip("kv_aware is vllm-router's")
+    from server.cluster import find_router
+
+    port, metrics_port = free_port(), free_port()
+    cmd = [find_router("vllm"), "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port),
+           "--worker-urls", *cluster.replicas, "--policy", "kv_aware", "--kv-event-block-size", str(BS),
+           "--kv-event-model", MODEL, "--health-check-interval-secs", "1",
+           "--log-level", "debug"]  # its log then shows each routing decision and the prefix it credited
+    for url, endpoint in zip(cluster.replicas, cluster.events):
+        cmd += ["--kv-event-source", f"{url}={endpoint}"]
+    log = open(cluster.dir / "kv-aware-router.log", "w")
+    router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _healthy(url), 60), (cluster.dir / "kv-aware-router.log").read_text()[-3000:]
+        time.sleep(1.0)  # its subscriptions reach the publishers
+        stories = [tokenizer(f"Story {i}: " + f"a {w} walked to the market and bought bread for the {w}s. " * 4)
+                   ["input_ids"][:64] for i, w in enumerate(["fox", "owl", "cat", "dog", "bee", "elk", "ant", "yak"])]
+
+        def complete(ids: list[int]) -> dict:
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        before = [cluster.served(i) for i in range(2)]
+        with cf.ThreadPoolExecutor(8) as ex:
+            list(ex.map(complete, stories))
+        spread = [cluster.served(i) - before[i] for i in range(2)]
+        assert min(spread) >= 2, spread
+        time.sleep(0.5)  # the stored blocks' events reach the router
+        cached = [complete(ids[:48] + tokenizer(f" Chapter {k}.")["input_ids"])["prompt_tokens_details"]
+                  ["cached_tokens"] for k in range(2) for ids in stories]
+        assert all(c >= 48 for c in cached), cached
+    finally:
+        router.terminate()
+        router.wait(30)
+        log.close()
 
 
 def test_a_killed_replica_loses_no_request_the_router_could_retry(cluster):

@@ -122,7 +122,7 @@ def test_an_engine_publishes_its_blocks_as_they_are_cached_and_evicted(target32,
             for i, h in enumerate(e.block_hashes):
                 assert h == expected_hash(parent, "", e.token_ids[i * BS:(i + 1) * BS]) and e.block_size == BS
                 parent = h
-            assert e.medium == "CPU"
+            assert e.medium == "GPU"  # vLLM's name for the engine's own cache, on a CPU too
         by_hash = {h: e.token_ids[i * BS:(i + 1) * BS] for e in stored for i, h in enumerate(e.block_hashes)}
         for p, out in zip(prompts, outs):
             seq = p + out
@@ -162,3 +162,17 @@ def test_a_full_queue_drops_and_counts_and_a_silent_subscriber_never_blocks():
         sub.close()
     finally:
         pub.close()
+
+
+def test_the_wire_format_is_vllms():
+    """A batch is the positional [ts, events, data_parallel_rank]; each event a map tagged by its class name under
+    "type" with vLLM's field names (what vLLM sends and its router's kv_aware policy reads: a positional event is
+    refused there as "KV event must be a tagged map")."""
+    batch = KVEventBatch(1.5, [BlockStored([7, 8], None, list(range(2 * BS)), BS, medium="GPU"), BlockRemoved([7]),
+                               AllBlocksCleared()])
+    ts, events, *rank = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    assert ts == 1.5 and rank in ([], [None])
+    assert events == [{"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None,
+                       "token_ids": list(range(2 * BS)), "block_size": BS, "lora_id": None, "medium": "GPU",
+                       "lora_name": None},
+                      {"type": "BlockRemoved", "block_hashes": [7], "medium": None}, {"type": "AllBlocksCleared"}]
