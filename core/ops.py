@@ -264,7 +264,9 @@ def linear(x: torch.Tensor, weight: "torch.Tensor | Int8Weight | Int4Weight",
     name = _chosen.get(linear_key(weight)) or default_linear_kernel(weight)
     if name == "mv+mm":
         return _mv_mm(x, weight, any_layout)
-    return LINEAR_KERNELS[name](x, weight)
+    # In rows, as measure_linear_kernels checked it: oneDNN's bfloat16 F.linear on a transposed x (a SwiGLU output
+    # handed over by weight @ x.T) or a strided one gave a row other bits at 5 rows than alone, on a 2-core EPYC
+    return LINEAR_KERNELS[name](x.contiguous(), weight)
 
 
 def measure_linear_kernels(weights: list[torch.Tensor], margin: float = 0.1) -> tuple[str, dict[str, dict]]:
