@@ -281,7 +281,7 @@ def add_commands(sub) -> None:
                    help="sglang: SGLang's model gateway (sglang-router); vllm: vLLM's router (vllm-router)")
     c.add_argument("--policy", default="cache_aware", help="the router's policy: cache_aware (a request to the "
                    "replica it shares the longest text prefix with), round_robin, random, power_of_two; vllm also "
-                   "consistent_hash (by the X-Session-ID header or the request's `user`)")
+                   "consistent_hash and sticky_least_loaded (by the X-Session-ID header or the request's `user`)")
     c.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     c.add_argument("--port", type=int, default=8000, help="the router's port")
     c.add_argument("--base-port", type=int, default=None, help="replica i listens on 127.0.0.1:BASE_PORT+i "

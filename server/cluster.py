@@ -167,10 +167,11 @@ class Cluster:
                 self._wait(r.url, deadline, r.proc, f"replica {r.index}", r.log)
             urls = [r.url for r in self.members]
             router_log = self.run_dir / "router.log"
-            self.router_proc = subprocess.Popen(
-                router_command(self.router, binary, self.host, self.port, urls, self.policy,
-                               self.router_metrics_port),
-                stdout=open(router_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            with open(router_log, "w") as out:  # the router holds its own copy of the file
+                self.router_proc = subprocess.Popen(
+                    router_command(self.router, binary, self.host, self.port, urls, self.policy,
+                                   self.router_metrics_port),
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             self._wait(self.url, deadline, self.router_proc, f"{self.router}-router", router_log)
             log(f"{self.router}-router ({self.policy}): {self.url} -> {', '.join(urls)} (log {router_log})")
         except BaseException:
@@ -185,11 +186,12 @@ class Cluster:
         threads = str(len(r.cores))
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPECSERVE_WORKER_THREADS": threads, "OMP_NUM_THREADS": threads}
         cores = set(r.cores)
-        r.proc = subprocess.Popen(
-            [sys.executable, "-m", "specserve", "serve", "--config", str(r.config), "--host", "127.0.0.1",
-             "--port", str(r.port), "--drain-timeout", str(self.drain_timeout)],
-            stdout=open(r.log, "a"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores))  # the worker it starts inherits the cores
+        with open(r.log, "a") as out:  # the replica holds its own copy: none left open here per restart
+            r.proc = subprocess.Popen(
+                [sys.executable, "-m", "specserve", "serve", "--config", str(r.config), "--host", "127.0.0.1",
+                 "--port", str(r.port), "--drain-timeout", str(self.drain_timeout)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=lambda: os.sched_setaffinity(0, cores))  # the worker it starts inherits the cores
         r.pid_file.write_text(f"{r.proc.pid}\n")  # its process group: the API process and its worker
 
     @staticmethod
@@ -207,12 +209,12 @@ class Cluster:
 
     def stop(self) -> None:
         """The router first (no new requests), then every replica drained (SIGTERM), killed past the timeout."""
-        _terminate(self.router_proc, 10)
+        terminate(self.router_proc, 10)
         for r in self.members:
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.send_signal(signal.SIGTERM)
         for r in self.members:
-            _terminate(r.proc, self.drain_timeout + 10)
+            terminate(r.proc, self.drain_timeout + 10)
 
     def serve_forever(self, restart_after: float = 2.0) -> int:
         """Block until SIGINT / SIGTERM, then stop all. A replica that exits is started again (the router's health
@@ -243,7 +245,8 @@ class Cluster:
             self.stop()
 
 
-def _terminate(proc: subprocess.Popen | None, timeout: float) -> None:
+def terminate(proc: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM to a running process, SIGKILL past ``timeout`` seconds; returns once it has exited."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)

@@ -22,7 +22,7 @@ import yaml
 import zmq
 
 from server.api.generation import cache_namespace
-from server.cluster import core_groups, replica_config, router_command
+from server.cluster import core_groups, replica_config, router_command, terminate
 from server.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.engine.test_kv_events import expected_hash
 from tests.server.conftest import free_port, metric, scrape, wait_until
@@ -113,12 +113,7 @@ class ClusterRun:
         return metric(scrape(self.replicas[i]), "specserve_requests_total", outcome="completed")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc, 90)
         self.log.close()
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from server.cluster import terminate
 
 API_KEY = "test-key-123"
 
@@ -89,13 +90,7 @@ class ServerProcess:
         return httpx.get(self.url + "/health", timeout=10).json()["worker_pid"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 60)
         self.log.close()
 
 
